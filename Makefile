@@ -1,0 +1,33 @@
+# Every target installs what it needs into .venv first. torch comes from this machine's disk
+# (torch==2.13.0, CPU build): it is installed before the package so pip never resolves a newer one.
+PY ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-dev
+
+.PHONY: test demo bench bench-quick lint docs clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest -q -ra
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+demo: $(STAMP)
+	$(BIN)/deepscope demo
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run.py
+
+bench-quick: $(STAMP)
+	$(BIN)/python benchmarks/run.py --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

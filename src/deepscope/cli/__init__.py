@@ -1,0 +1,1 @@
+"""The `deepscope` command line."""

@@ -1,0 +1,249 @@
+"""Read a recorded run: pandas DataFrames and numpy arrays, safe while training writes it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ..store.layout import rank_files
+from ..store.reader import StoreReader
+from ..store.schema import STAT_COLUMNS
+
+DIRECTIONS = ("forward", "grad")
+
+
+class Run:
+    """One run folder (`project/run`), one database per rank.
+
+    Every method takes `rank=` (default 0). Methods return fresh data on each call, so a
+    reader sees steps appear while a writer records (committed steps only).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        files = rank_files(self.path)
+        if not files:
+            raise ValueError(f"no deepscope run at {self.path}: expected rank<N>.sqlite files "
+                             "inside; pass a run folder such as runs/baseline")
+        self.name = self.path.name
+        self._files = files
+        self._readers: dict[int, StoreReader] = {}
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self._files)
+
+    def _r(self, rank: int) -> StoreReader:
+        if rank not in self._files:
+            raise ValueError(f"run {self.name!r} has no rank {rank}; ranks: {self.ranks}")
+        reader = self._readers.get(rank)
+        if reader is None:
+            reader = self._readers[rank] = StoreReader(self._files[rank])
+        return reader
+
+    def close(self) -> None:
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # --- run-level ------------------------------------------------------------------------
+    def meta(self, rank: int = 0) -> dict[str, Any]:
+        """What the recorder stored about the run (schema version, schedule, torch, ...)."""
+        return self._r(rank).meta()
+
+    def size_bytes(self) -> int:
+        """Bytes on disk of all rank files (with their write-ahead logs)."""
+        return sum(p.stat().st_size for f in self._files.values()
+                   for p in (f, f.with_name(f.name + "-wal")) if p.exists())
+
+    def kinds(self, rank: int = 0) -> list[str]:
+        rows = self._r(rank).query(
+            "SELECT kind FROM steps UNION SELECT kind FROM kpis ORDER BY 1")
+        return [k for (k,) in rows]
+
+    def steps(self, kind: str | None = None, rank: int = 0) -> list[int]:
+        """Recorded steps (with tensor data), ascending."""
+        sql, args = "SELECT step FROM steps", ()
+        if kind is not None:
+            sql, args = sql + " WHERE kind = ?", (kind,)
+        return [s for (s,) in self._r(rank).query(sql + " ORDER BY step", args)]
+
+    def step_table(self, rank: int = 0) -> pd.DataFrame:
+        """One row per recorded step: step, kind, iterations, wall_time."""
+        rows = self._r(rank).query(
+            "SELECT step, kind, iterations, wall_time FROM steps ORDER BY step")
+        return pd.DataFrame(rows, columns=["step", "kind", "iterations", "wall_time"])
+
+    def tensors(self, rank: int = 0) -> pd.DataFrame:
+        """Named tensors: name, role, node, role_in_node, shape (first seen), dtype, batch_dim."""
+        r = self._r(rank)
+        rows = r.query("SELECT name, role, node, role_in_node, shape, dtype, batch_dim "
+                       "FROM tensors ORDER BY id")
+        df = pd.DataFrame(rows, columns=["name", "role", "node", "role_in_node", "shape",
+                                         "dtype", "batch_dim"])
+        df["shape"] = [r.decode_json(s, "tensor shape") for s in df["shape"]]
+        return df
+
+    # --- tensor records -------------------------------------------------------------------
+    def stats_wide(self, tensor: str | None = None, *, direction: str | None = None,
+                   step: int | None = None, iteration: int | None = None,
+                   kind: str | None = None, rank: int = 0) -> pd.DataFrame:
+        """Statistics with one column per statistic (see `STAT_COLUMNS`), one row per record."""
+        where, args = [], []
+        for col, val in (("t.name", tensor), ("r.direction", direction), ("r.step", step),
+                         ("r.iteration", iteration), ("s.kind", kind)):
+            if val is not None:
+                where.append(f"{col} = ?")
+                args.append(val)
+        sql = ("SELECT r.step, r.iteration, t.name, r.direction, "
+               + ", ".join(f"r.{c}" for c in STAT_COLUMNS)
+               + " FROM records r JOIN tensors t ON t.id = r.tensor_id "
+               "JOIN steps s ON s.step = r.step")
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        rows = self._r(rank).query(sql + " ORDER BY r.step, r.iteration, t.id, r.direction",
+                                   args)
+        df = pd.DataFrame(rows, columns=["step", "iteration", "tensor", "direction",
+                                         *STAT_COLUMNS])
+        return df.astype({c: float for c in STAT_COLUMNS})
+
+    def stats(self, tensor: str | None = None, *, direction: str | None = None,
+              statistic: str | None = None, step: int | None = None,
+              iteration: int | None = None, kind: str | None = None,
+              rank: int = 0) -> pd.DataFrame:
+        """Long table: step, iteration, tensor, direction, statistic, value.
+
+        direction: "forward", "grad", or "grad:<group>" for `rec.gradients(group)` snapshots.
+        """
+        if statistic is not None and statistic not in STAT_COLUMNS:
+            raise ValueError(f"unknown statistic {statistic!r}; use one of "
+                             f"{', '.join(STAT_COLUMNS)}")
+        wide = self.stats_wide(tensor, direction=direction, step=step, iteration=iteration,
+                               kind=kind, rank=rank)
+        cols = [statistic] if statistic else list(STAT_COLUMNS)
+        return wide.melt(id_vars=["step", "iteration", "tensor", "direction"], value_vars=cols,
+                         var_name="statistic", value_name="value")
+
+    def views(self, tensor: str, step: int, *, iteration: int = 0,
+              direction: str = "forward", rank: int = 0) -> list[str]:
+        """Array views stored for one tensor record (neuron_mean, samples, ...)."""
+        rows = self._r(rank).query(
+            "SELECT a.view FROM arrays a JOIN tensors t ON t.id = a.tensor_id WHERE t.name = ? "
+            "AND a.step = ? AND a.iteration = ? AND a.direction = ? ORDER BY a.view",
+            (tensor, step, iteration, direction))
+        return [v for (v,) in rows]
+
+    def values(self, tensor: str, step: int, *, view: str = "neuron_mean", iteration: int = 0,
+               direction: str = "forward", rank: int = 0) -> np.ndarray:
+        """One array view of a tensor record.
+
+        Views: neuron_mean / neuron_std / neuron_abs_max (per neuron, over the batch; for
+        parameters per index of dim 0), sample_mean / sample_std / sample_abs_max (per batch
+        item), samples (full values of the first max_samples items).
+        """
+        r = self._r(rank)
+        rows = r.query(
+            "SELECT a.dtype, a.shape, a.data FROM arrays a JOIN tensors t ON t.id = a.tensor_id"
+            " WHERE t.name = ? AND a.step = ? AND a.iteration = ? AND a.direction = ? "
+            "AND a.view = ?", (tensor, step, iteration, direction, view))
+        if not rows:
+            have = self.views(tensor, step, iteration=iteration, direction=direction, rank=rank)
+            raise KeyError(f"no view {view!r} of {tensor!r} ({direction}) at step {step}, "
+                           f"iteration {iteration}; stored views: {have or 'none'}")
+        return r.decode_array(*rows[0])
+
+    # --- graph ----------------------------------------------------------------------------
+    def graph(self, step: int | None = None, *, kind: str | None = None, iteration: int = 0,
+              rank: int = 0) -> dict[str, Any]:
+        """The dependency graph of one recorded step (default: the last one of `kind`).
+
+        Returns {"tensors": [{name, role, node}], "edges": [{source, target, lag, manual}],
+        "nodes": [{id, role, tensors}]}; edges are between tensors, `lag` = iterations back.
+        """
+        r = self._r(rank)
+        if step is None:
+            steps = self.steps(kind, rank)
+            if not steps:
+                raise ValueError(f"run {self.name!r} has no recorded step"
+                                 + (f" of kind {kind!r}" if kind else ""))
+            step = steps[-1]
+        rows = r.query("SELECT g.body FROM iterations i JOIN graphs g ON g.hash = i.graph "
+                       "WHERE i.step = ? AND i.iteration = ?", (step, iteration))
+        if not rows:
+            raise ValueError(f"no graph for step {step}, iteration {iteration} in run "
+                             f"{self.name!r}")
+        body = r.decode_json(rows[0][0], "graph")
+        nodes: dict[str, dict] = {}
+        for t in body.get("tensors", []):
+            n = nodes.setdefault(t["node"], {"id": t["node"], "role": t["role"], "tensors": []})
+            n["tensors"].append(t["name"])
+        body["nodes"] = list(nodes.values())
+        return body
+
+    # --- scalars --------------------------------------------------------------------------
+    def kpis(self, name: str | None = None, rank: int = 0) -> pd.DataFrame:
+        """KPIs logged on every step: step, kind, name, value (NaN if it was not finite)."""
+        sql, args = "SELECT step, kind, name, value FROM kpis", ()
+        if name is not None:
+            sql, args = sql + " WHERE name = ?", (name,)
+        rows = self._r(rank).query(sql + " ORDER BY name, step", args)
+        df = pd.DataFrame(rows, columns=["step", "kind", "name", "value"])
+        return df.astype({"value": float})
+
+    def notes(self, rank: int = 0) -> pd.DataFrame:
+        rows = self._r(rank).query("SELECT wall_time, step, text FROM notes ORDER BY id")
+        return pd.DataFrame(rows, columns=["wall_time", "step", "text"])
+
+    def quantities(self, name: str | None = None, layer: str | None = None,
+                   rank: int = 0) -> pd.DataFrame:
+        """Instrument values: step, name, layer ("" = whole model), value, plus meta columns
+        (estimator, samples, reason, ...) flattened. value is NaN when missing."""
+        where, args = [], []
+        for col, val in (("name", name), ("layer", layer)):
+            if val is not None:
+                where.append(f"{col} = ?")
+                args.append(val)
+        sql = "SELECT step, name, layer, value, meta FROM quantities"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        r = self._r(rank)
+        rows = r.query(sql + " ORDER BY name, layer, step", args)
+        records = []
+        for step, qname, qlayer, value, meta in rows:
+            m = r.decode_json(meta, "quantity metadata")
+            records.append({"step": step, "name": qname, "layer": qlayer,
+                            "value": np.nan if value is None else float(value),
+                            "meta": m if isinstance(m, dict) else {}})
+        return pd.DataFrame(records, columns=["step", "name", "layer", "value", "meta"])
+
+    def histogram(self, name: str, step: int, layer: str = "",
+                  rank: int = 0) -> tuple[np.ndarray, dict[str, Any]]:
+        """Counts and metadata (edges, under/overflow, NaN/±Inf counts) of a histogram."""
+        r = self._r(rank)
+        rows = r.query("SELECT a.dtype, a.shape, a.data, q.meta FROM quantity_arrays a "
+                       "JOIN quantities q USING (name, layer, step) WHERE a.name = ? AND "
+                       "a.layer = ? AND a.step = ?", (name, layer, step))
+        if not rows:
+            raise KeyError(f"no {name} histogram at step {step} for layer {layer!r}")
+        dtype, shape, data, meta = rows[0]
+        return r.decode_array(dtype, shape, data), r.decode_json(meta, "histogram metadata")
+
+    def anomalies(self, rank: int = 0) -> pd.DataFrame:
+        rows = self._r(rank).query("SELECT step, tensor, detector, value, threshold, message "
+                                   "FROM anomalies ORDER BY step, id")
+        return pd.DataFrame(rows, columns=["step", "tensor", "detector", "value", "threshold",
+                                           "message"])
+
+
+def open_run(path: str | Path) -> Run:
+    """Open a recorded run folder for reading."""
+    return Run(path)

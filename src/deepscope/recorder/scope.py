@@ -1,0 +1,304 @@
+"""`Scope`: the training-side entry point. One scope writes one run (one file per rank)."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import shutil
+import sys
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..store.layout import check_run_name, rank_file, rank_files
+from ..store.writer import StoreWriter
+from .schedule import Schedule, as_schedule, every
+from .stats import DEFAULT_MAX_NEURONS
+from .step import StepRecorder
+
+log = logging.getLogger("deepscope")
+_open_scopes: weakref.WeakSet = weakref.WeakSet()
+
+
+class Scope:
+    """Records one training run into `path/run/`.
+
+    path: project folder (created if missing). run: run name (a folder inside it).
+    schedule: which steps record tensors — `every(n)`, `at([...])`, `log_spaced()`,
+        `per_kind(n)`, an int n, or any callable (step, kind) -> bool. Default every(10).
+    instruments: None, "economy", "business", "full" or a list of quantity names (computed
+        for the model given to `watch`), on `instrument_schedule` (default: `schedule`).
+    max_samples: batch items whose full values are stored per tensor record.
+    dynamic / keep_if: steps chosen by `dynamic` but not by `schedule` are recorded
+        tentatively and kept if `keep_if(rec)` is true or `rec.keep()` was called.
+    overwrite / resume: what to do if the run exists (default: refuse with an error).
+    on_full: "block" (back-pressure) or "drop" (drop whole steps) when the writer lags.
+    """
+
+    def __init__(self, path: str | Path = "runs", run: str = "run", *,
+                 schedule: Schedule | int | None = None,
+                 instruments: str | Sequence[str] | None = None,
+                 max_samples: int = 4,
+                 dynamic: Schedule | int | None = None,
+                 keep_if: Callable[[StepRecorder], bool] | None = None,
+                 instrument_schedule: Schedule | int | None = None,
+                 quantity_schedules: dict[str, Schedule] | None = None,
+                 overwrite: bool = False, resume: bool = False,
+                 rank: int | None = None, queue_size: int = 32, on_full: str = "block",
+                 singular_values: bool = False, max_neurons: int = DEFAULT_MAX_NEURONS,
+                 seed: int = 0) -> None:
+        check_run_name(run)
+        if overwrite and resume:
+            raise ValueError("pass either overwrite=True or resume=True, not both")
+        if not isinstance(max_samples, int) or max_samples < 0:
+            raise ValueError(f"max_samples must be an integer >= 0, got {max_samples!r}")
+        self.schedule = every(10) if schedule is None else as_schedule(schedule)
+        self.dynamic = as_schedule(dynamic, "dynamic") if dynamic is not None else None
+        self.keep_if = keep_if
+        self.max_samples = max_samples
+        self.max_neurons = max_neurons
+        self.singular_values = singular_values
+        self.rank = _default_rank() if rank is None else rank
+        self.run_dir = Path(path) / run
+        self._instrument_spec = instruments
+        self._instrument_schedule = (self.schedule if instrument_schedule is None
+                                     else as_schedule(instrument_schedule))
+        self._quantity_schedules = quantity_schedules
+        self._seed = seed
+        self.instruments: Any = None
+        self._params: dict[str, torch.Tensor] = {}
+        self._param_nodes: dict[str, tuple[str, str]] = {}
+        self._module_hooks: list[Any] = []
+        self._graph_cache: dict = {}
+        self._current: StepRecorder | None = None
+        self._last_step: int | None = None
+        self._reported: set[str] = set()
+        self.closed = False
+        self.writer = self._open_writer(run, overwrite, resume, queue_size, on_full)
+        if resume:
+            self._last_step = self.writer.last_step()
+        _open_scopes.add(self)
+
+    def _open_writer(self, run: str, overwrite: bool, resume: bool, queue_size: int,
+                     on_full: str) -> StoreWriter:
+        target = rank_file(self.run_dir, self.rank)
+        existing = rank_files(self.run_dir)
+        if existing and not (overwrite or resume):
+            raise ValueError(f"run {run!r} already exists in {self.run_dir.parent}; pass "
+                             "overwrite=True to replace it, resume=True to continue it, or "
+                             "choose another run name")
+        if overwrite and existing:
+            shutil.rmtree(self.run_dir)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"cannot create run folder {self.run_dir}: {exc.strerror}; pass a "
+                             "writable path") from None
+        meta = {"run": run, "rank": self.rank, "torch": torch.__version__,
+                "schedule": repr(self.schedule), "instruments": self._instrument_spec,
+                "max_samples": self.max_samples, "max_neurons": self.max_neurons,
+                "argv": sys.argv[:8], "started": time.time()}
+        try:
+            return StoreWriter(target, meta, resume=resume, queue_size=queue_size,
+                               on_full=on_full)
+        except OSError as exc:
+            raise ValueError(f"cannot write {target}: {exc}; pass a writable path") from None
+        except Exception as exc:  # sqlite3 errors: unwritable, foreign or damaged file
+            raise ValueError(f"cannot open {target} for writing ({exc}); pass a writable path "
+                             "or a new run name") from None
+
+    # --- set-up -------------------------------------------------------------------------
+    def watch(self, model: nn.Module, *, name: str | None = None, activations: bool = False,
+              optimizer: torch.optim.Optimizer | None = None,
+              node_depth: int | None = None) -> nn.Module:
+        """Track every parameter of `model` (values and gradients) by dotted name.
+
+        name: prefix for the names (default none). activations: also record every module's
+        output by forward hooks (names from module paths; the model's own output has role
+        "output"). optimizer: lets instruments read the learning rate (CABS). node_depth:
+        group parameters into graph nodes by the first `node_depth` parts of their module
+        path (default: the full module path). Returns the model unchanged.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"scope.watch(...) needs a torch.nn.Module, got {type(model).__name__}")
+        prefix = f"{name}." if name else ""
+        for pname, p in model.named_parameters():
+            full = prefix + pname
+            parts = full.split(".")
+            module_parts = parts[:-1] or [name or "model"]
+            if node_depth is not None:
+                module_parts = module_parts[:node_depth]
+            self._params[full] = p
+            self._param_nodes[full] = (".".join(module_parts), parts[-1])
+        if activations:
+            for mpath, module in model.named_modules():
+                path = (prefix + mpath) if mpath else (name or "model")
+                self._module_hooks.append(
+                    module.register_forward_hook(self._activation_hook(path, not mpath)))
+        if self._instrument_spec is not None and self.instruments is None:
+            from ..instruments.suite import Instruments  # heavy; only when asked for
+            self.instruments = Instruments(
+                model, self._instrument_spec, schedule=self._instrument_schedule,
+                optimizer=optimizer, schedules=self._quantity_schedules, seed=self._seed)
+        return model
+
+    def note(self, text: str) -> None:
+        """Store a free-text note (shown in the GUI's Notes tab) with the current step."""
+        if not isinstance(text, str):
+            raise TypeError(f"scope.note(...) needs a string, got {type(text).__name__}")
+        step = self._current.step if self._current is not None else self._last_step
+        self.writer.submit_note(text, step)
+
+    # --- steps ----------------------------------------------------------------------------
+    def step(self, step: int, kind: str = "default") -> StepRecorder:
+        """Open step `step` of kind `kind`; use as `with scope.step(n) as rec:`."""
+        if self.closed:
+            raise ValueError("this Scope is closed; create a new Scope (resume=True) to "
+                             "record more")
+        if self._current is not None:
+            raise ValueError(f"scope.step({step}) called while step {self._current.step} is "
+                             "still open; leave the previous `with` block first")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step must be an int, got {type(step).__name__}")
+        if not isinstance(kind, str) or not kind:
+            raise TypeError(f"kind must be a non-empty string, got {kind!r}")
+        if self._last_step is not None and step <= self._last_step:
+            raise ValueError(f"step numbers must increase: got {step} after {self._last_step}; "
+                             "pass a global step counter")
+        live = not self.writer.failed
+        record = live and bool(self.schedule(step, kind))
+        tentative = (live and not record and self.dynamic is not None
+                     and bool(self.dynamic(step, kind)))
+        instrumented = (live and self.instruments is not None
+                        and bool(self._guard(self.instruments.wants, step, kind)))
+        return StepRecorder(self, step, kind, record, tentative, instrumented)
+
+    def _enter(self, rec: StepRecorder) -> None:
+        self._current = rec
+        self._last_step = rec.step
+        if rec.recording and self._guard(rec._start) is _FAILED:
+            rec.recording = False
+        if rec._instrumented and self._guard(self.instruments.start, rec.step,
+                                             rec.kind) is _FAILED:
+            rec._instrumented = False
+
+    def _exit(self, rec: StepRecorder, failed: bool) -> None:
+        self._current = None
+        rec._remove_hooks()
+        if failed:  # the user's step raised: store nothing half-done
+            if rec._instrumented:
+                self._guard(self.instruments.abort)
+            return
+        self.writer.submit_kpis(rec._kpis)
+        quantities = []
+        if rec._instrumented:
+            quantities = self._guard(self.instruments.finish) or []
+            if quantities is _FAILED:
+                quantities = []
+        if rec.recording and rec._keep():
+            payload = self._guard(rec._payload)
+            if payload is not _FAILED:
+                payload.quantities = quantities
+                self.writer.submit_step(payload)
+                return
+        self.writer.submit_quantities(quantities)
+
+    def _activation_hook(self, path: str, is_root: bool) -> Callable:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            rec = self._current
+            if rec is not None and rec.recording:
+                self._guard(self._record_output, rec, path, is_root, output)
+        return hook
+
+    def _record_output(self, rec: StepRecorder, path: str, is_root: bool, output: Any) -> None:
+        role = "output" if is_root else "activation"
+        for suffix, t in _tensor_leaves(output):
+            base = path + suffix
+            count = rec._activation_counts.get((base, rec._iteration), 0)
+            rec._activation_counts[(base, rec._iteration)] = count + 1
+            name = base if count == 0 else f"{base}#{count + 1}"
+            if (name, rec._iteration) in rec._seen:
+                continue  # the user registered this name explicitly
+            rec.tensor(name, t, role=role, node=path, role_in_node=suffix.lstrip(".") or
+                       "output")
+
+    # --- failures inside recording never stop training -------------------------------------
+    def _guard(self, fn: Callable, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as exc:
+            key = f"{type(exc).__name__}: {exc}"
+            if key not in self._reported:
+                self._reported.add(key)
+                where = traceback.extract_tb(exc.__traceback__)[-1]
+                log.warning("deepscope: recording failed (%s at %s:%d); training continues, "
+                            "this step is not recorded", key, Path(where.filename).name,
+                            where.lineno)
+            if self._current is not None:
+                self._current.recording = False
+            return _FAILED
+
+    # --- end ------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Block until every step so far is committed to disk."""
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Commit what is queued, remove hooks, close the store. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks.clear()
+        if self.instruments is not None:
+            self._guard(self.instruments.close)
+        self.writer.close()
+
+    def __enter__(self) -> Scope:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _Failed:
+    def __repr__(self) -> str:
+        return "<recording failed>"
+
+
+_FAILED = _Failed()
+
+
+def _tensor_leaves(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """(suffix, tensor) for every tensor in a module output (tensor, tuple/list, dict)."""
+    if isinstance(obj, torch.Tensor):
+        return [(prefix, obj)]
+    if isinstance(obj, dict):
+        return [leaf for k, v in obj.items() for leaf in _tensor_leaves(v, f"{prefix}.{k}")]
+    if isinstance(obj, (tuple, list)):
+        return [leaf for i, v in enumerate(obj) for leaf in _tensor_leaves(v, f"{prefix}.{i}")]
+    return []
+
+
+def _default_rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+@atexit.register
+def _close_open_scopes() -> None:
+    """Commit queued steps of scopes the user forgot to close."""
+    for scope in list(_open_scopes):
+        try:
+            scope.close()
+        except Exception:  # noqa: BLE001 - at exit, best effort
+            pass

@@ -1,0 +1,291 @@
+"""One training step as the user sees it: `with scope.step(n, kind=...) as rec:`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..store.writer import StepPayload, TensorInfo
+from .graph import Named, build_graphs, graph_hash, saved_attachments
+from .stats import array_views, tensor_stats
+
+if TYPE_CHECKING:
+    from .scope import Scope
+
+ROLES = ("input", "target", "activation", "output", "loss", "parameter")
+_BATCHED_ROLES = ("input", "target", "activation", "output", "loss")
+AUTO = "auto"
+
+
+def _check_name(name: Any, what: str = "name") -> str:
+    if not isinstance(name, str) or not name or len(name) > 256:
+        raise TypeError(f"tensor {what} must be a non-empty string of at most 256 characters, "
+                        f"got {name!r}")
+    return name
+
+
+def _check_kpi(name: Any, value: Any) -> None:
+    _check_name(name, "KPI name")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"rec.kpi({name!r}, ...) needs a single number; got a tensor of "
+                             f"shape {tuple(value.shape)} (reduce it, e.g. .mean())")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"rec.kpi({name!r}, ...) needs a number or a 1-element tensor, "
+                        f"got {type(value).__name__}")
+
+
+class StepRecorder:
+    """Records one step. Methods are cheap no-ops when the step is not recorded.
+
+    Not created directly: use `Scope.step`.
+    """
+
+    def __init__(self, scope: Scope, step: int, kind: str, record: bool, tentative: bool,
+                 instrumented: bool) -> None:
+        self.scope = scope
+        self.step = step
+        self.kind = kind
+        self.recording = record or tentative
+        self._tentative = tentative and not record
+        self._decision: bool | None = None
+        self._instrumented = instrumented
+        self._iteration = 0
+        self._iterations_used = False
+        self._kpis: list[tuple[str, int, str, Any]] = []
+        self.loss_value: torch.Tensor | None = None
+        self._hooks: list[Any] = []
+        if not self.recording:
+            return
+        self._named: list[Named] = []
+        self._seen: set[tuple[str, int]] = set()
+        self._manual: list[tuple[str, str, int]] = []
+        self._infos: dict[str, TensorInfo] = {}
+        self._stat_keys: list[tuple[str, str, int]] = []
+        self._stats: list[torch.Tensor] = []
+        self._arrays: list[tuple[str, str, str, int, torch.Tensor]] = []
+        self._grads: dict[tuple[str, int], torch.Tensor] = {}
+        self._activation_counts: dict[tuple[str, int], int] = {}
+        self._attachments: dict | None = None
+        self._started = time.time()
+
+    def __enter__(self) -> StepRecorder:
+        self.scope._enter(self)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.scope._exit(self, exc_type is not None)
+
+    # --- public API -------------------------------------------------------------------------
+    def tensor(self, name: str, tensor: torch.Tensor, role: str = "activation", *,
+               node: str | None = None, role_in_node: str | None = None,
+               batch_dim: int | None | str = AUTO) -> None:
+        """Register a named tensor of the current iteration.
+
+        role: one of input, target, activation, output, loss, parameter. node: the graph node
+        it is drawn in (default: its name). batch_dim: the batch dimension, None for none;
+        "auto" = 0 for batched roles with at least one dimension, else None. Its gradient is
+        recorded after backward when it requires grad (by a hook; the tensor is not changed).
+        """
+        if not self.recording:
+            return
+        _check_name(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"rec.tensor({name!r}, ...) needs a torch.Tensor, got "
+                            f"{type(tensor).__name__}; wrap it with torch.as_tensor(...)")
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r} for tensor {name!r}; use one of "
+                             f"{', '.join(ROLES)}")
+        key = (name, self._iteration)
+        if key in self._seen:
+            raise ValueError(f"tensor {name!r} is already registered in iteration "
+                             f"{self._iteration} of step {self.step}; give it another name or "
+                             "start a new iteration with rec.iteration()")
+        if batch_dim == AUTO:
+            batch_dim = 0 if (role in _BATCHED_ROLES and tensor.dim() >= 1) else None
+        elif batch_dim is not None and not (-tensor.dim() <= batch_dim < tensor.dim()):
+            raise ValueError(f"batch_dim={batch_dim} is out of range for tensor {name!r} of "
+                             f"shape {tuple(tensor.shape)}; pass a valid dim or None")
+        self._seen.add(key)
+        self.scope._guard(self._add, name, tensor, role, node or name, role_in_node or name,
+                          batch_dim)
+
+    def loss(self, loss: torch.Tensor, per_sample: torch.Tensor | None = None,
+             name: str = "loss") -> None:
+        """Register the loss that will be backpropagated, and optionally the per-sample losses.
+
+        loss: scalar tensor (mean or sum of per_sample; the reduction is inferred).
+        per_sample: (B,) losses of the batch items; needed by most instruments. The loss is
+        also logged as the KPI `name` on every step.
+        """
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = (f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                   else type(loss).__name__)
+            raise TypeError(f"rec.loss(loss, ...) needs the scalar loss tensor, got {got}")
+        if per_sample is not None and (not isinstance(per_sample, torch.Tensor)
+                                       or per_sample.dim() != 1):
+            raise TypeError("rec.loss(..., per_sample=...) needs a 1-D tensor of per-sample "
+                            "losses (reduction='none'), e.g. loss_fn(out, y, reduction='none')")
+        self.loss_value = loss.detach()
+        self._kpis.append((name, self.step, self.kind, self.loss_value))
+        if self.recording:
+            self.tensor(name, loss.reshape(()) if loss.dim() else loss, role="loss")
+            if per_sample is not None:
+                self.tensor(f"{name}_per_sample", per_sample, role="loss", node=name,
+                            role_in_node="per_sample")
+        if self.recording:
+            # Look now, before backward frees what autograd saved: inputs and targets are
+            # found through saved tensors only.
+            self.scope._guard(self._attach_saved)
+        if self._instrumented:
+            # Bad input must reach the user; internal failures are handled inside Instruments.
+            self.scope.instruments.loss(loss, per_sample)
+
+    def kpi(self, name: str, value: float | torch.Tensor) -> None:
+        """Log a scalar on every step, recorded or not (cheap: no host sync here)."""
+        _check_kpi(name, value)
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
+        self._kpis.append((name, self.step, self.kind, value))
+
+    @contextlib.contextmanager
+    def iteration(self) -> Iterator[int]:
+        """Context for one forward pass of an unrolled (recurrent) step; yields its index."""
+        if self._iterations_used:
+            self._iteration += 1
+        self._iterations_used = True
+        yield self._iteration
+
+    def connect(self, source: str, target: str) -> None:
+        """Add a graph edge autograd cannot see (detach, integer paths), in this iteration."""
+        _check_name(source, "connection source")
+        _check_name(target, "connection target")
+        if self.recording:
+            self._manual.append((source, target, self._iteration))
+
+    def gradients(self, group: str) -> None:
+        """Snapshot the gradients received so far under direction 'grad:<group>'.
+
+        Use it between the backward passes of several losses; the plain 'grad' record at the
+        end of the step holds the sum over all backward passes.
+        """
+        _check_name(group, "gradient group")
+        if self.recording:
+            self.scope._guard(self._snapshot_grads, f"grad:{group}")
+
+    def keep(self) -> None:
+        """Keep this step although the schedule did not choose it (dynamic recording)."""
+        self._decision = True
+
+    def discard(self) -> None:
+        """Do not store this step's tensors (KPIs and instrument values are still stored)."""
+        self._decision = False
+
+    @property
+    def iteration_index(self) -> int:
+        return self._iteration
+
+    # --- internals ------------------------------------------------------------------------
+    def _add(self, name: str, tensor: torch.Tensor, role: str, node: str, role_in_node: str,
+             batch_dim: int | None) -> None:
+        it = self._iteration
+        if name not in self._infos:
+            self._infos[name] = TensorInfo(name, role, node, role_in_node, list(tensor.shape),
+                                           str(tensor.dtype).replace("torch.", ""),
+                                           batch_dim)
+        self._named.append(Named(name, it, tensor, role, node))
+        self._record_values(name, "forward", it, tensor, batch_dim)
+        if tensor.requires_grad:
+            self._hooks.append(tensor.register_hook(self._grad_hook(name, it)))
+
+    def _grad_hook(self, name: str, iteration: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            self.scope._guard(self._on_grad, name, iteration, grad)
+        return hook
+
+    def _on_grad(self, name: str, iteration: int, grad: torch.Tensor) -> None:
+        if self._attachments is None:
+            self._attach_saved()
+        key = (name, iteration)
+        prev = self._grads.get(key)
+        self._grads[key] = grad.detach() if prev is None else prev + grad.detach()
+
+    def _record_values(self, name: str, direction: str, iteration: int, tensor: torch.Tensor,
+                       batch_dim: int | None) -> None:
+        scope = self.scope
+        is_param = self._infos[name].role == "parameter"
+        stats = tensor_stats(tensor, scope.singular_values and is_param)
+        views = array_views(tensor, batch_dim, scope.max_samples, scope.max_neurons)
+        self._stat_keys.append((name, direction, iteration))
+        self._stats.append(stats)
+        for view, arr in views.items():
+            self._arrays.append((name, direction, view, iteration, arr))
+
+    def _start(self) -> None:
+        """Called on entry of a recorded step: parameter values and gradient hooks."""
+        for name, p in self.scope._params.items():
+            node, role_in_node = self.scope._param_nodes[name]
+            self._infos[name] = TensorInfo(name, "parameter", node, role_in_node,
+                                           list(p.shape), str(p.dtype).replace("torch.", ""),
+                                           None)
+            self._record_values(name, "forward", 0, p, None)
+            if p.requires_grad:
+                self._hooks.append(p.register_hook(self._grad_hook(name, 0)))
+
+    def _graph_key(self) -> tuple:
+        return (self.kind, tuple((r.name, r.iteration, tuple(r.tensor.shape))
+                                 for r in self._named), tuple(self._manual))
+
+    def _attach_saved(self) -> None:
+        if self._attachments is None:
+            cached = self._graph_key() in self.scope._graph_cache
+            self._attachments = {} if cached else saved_attachments(self._named)
+
+    def _graph(self) -> list[tuple[int, str, str]]:
+        """[(iteration, hash, JSON body)] of this step, from the cache when the structure
+        (kind, names, shapes, manual edges) was seen before."""
+        key = self._graph_key()
+        cached = self.scope._graph_cache.get(key)
+        if cached is None:
+            self._attach_saved()  # no backward ran: saved tensors are still there
+            param_nodes = {n: v[0] for n, v in self.scope._param_nodes.items()}
+            bodies = build_graphs(self._named, self.scope._params, param_nodes, self._manual,
+                                  self._attachments or {})
+            cached = [(it, graph_hash(body), json.dumps(body, separators=(",", ":")))
+                      for it, body in sorted(bodies.items())]
+            self.scope._graph_cache[key] = cached
+        return cached
+
+    def _snapshot_grads(self, direction: str) -> None:
+        for (name, it), grad in list(self._grads.items()):
+            self._record_values(name, direction, it, grad, self._infos[name].batch_dim)
+
+    def _remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _keep(self) -> bool:
+        if self._decision is not None:
+            return self._decision
+        if self._tentative:
+            keep_if = self.scope.keep_if
+            return bool(keep_if(self)) if keep_if is not None else False
+        return True
+
+    def _payload(self) -> StepPayload:
+        self._snapshot_grads("grad")
+        cached = self._graph()
+        stats = torch.stack(self._stats) if self._stats else None
+        return StepPayload(
+            step=self.step, kind=self.kind, wall_time=self._started,
+            iterations=self._iteration + 1, tensors=list(self._infos.values()),
+            stat_keys=self._stat_keys, stats=stats, arrays=self._arrays,
+            graphs={h: body for _, h, body in cached},
+            iteration_graphs=[(it, h) for it, h, _ in cached])
+

@@ -1,0 +1,51 @@
+"""Arrays as raw little-endian bytes with a dtype name and a JSON shape — never pickle."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+
+from ..errors import CorruptRunError
+
+# Only plain numeric dtypes can be stored or read back; anything else in a file is corrupt.
+DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(name).newbyteorder("<")
+    for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
+                 "bool")
+}
+MAX_NDIM = 8
+
+
+def encode(array: np.ndarray) -> tuple[str, str, bytes]:
+    """Return (dtype name, JSON shape, little-endian bytes) for a numeric numpy array."""
+    arr = np.asarray(array)
+    name = arr.dtype.name
+    if name not in DTYPES:
+        raise TypeError(f"cannot store arrays of dtype {name}; convert to float32 or int64 first")
+    data = np.ascontiguousarray(arr, dtype=DTYPES[name]).tobytes()
+    return name, json.dumps(list(arr.shape)), data
+
+
+def decode(dtype: str, shape: str, data: bytes) -> np.ndarray:
+    """Inverse of `encode`; validates everything, so a crafted file cannot make us allocate."""
+    if dtype not in DTYPES:
+        raise CorruptRunError(f"stored array has unknown dtype {dtype!r}; the file is corrupt")
+    try:
+        dims = json.loads(shape)
+    except (TypeError, ValueError):
+        raise CorruptRunError(
+            f"stored array has unreadable shape {shape!r}; the file is corrupt") from None
+    if (not isinstance(dims, list) or len(dims) > MAX_NDIM
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims)):
+        raise CorruptRunError(f"stored array has invalid shape {shape!r}; the file is corrupt")
+    if not isinstance(data, bytes):
+        raise CorruptRunError("stored array data is not a blob; the file is corrupt")
+    expected = math.prod(dims) * DTYPES[dtype].itemsize
+    if expected != len(data):
+        raise CorruptRunError(
+            f"stored array declares shape {dims} ({expected} bytes) but holds {len(data)} bytes;"
+            " the file is corrupt")
+    native = DTYPES[dtype].newbyteorder("=")
+    return np.frombuffer(data, dtype=DTYPES[dtype]).reshape(dims).astype(native)

@@ -1,0 +1,62 @@
+"""The on-disk format of one rank of one run: a SQLite database in WAL mode.
+
+Every table is plain SQL; arrays are raw little-endian bytes with `dtype` and `shape` columns
+(see `arrays.py`). Nothing here can execute code when read.
+"""
+
+SCHEMA_VERSION = 1
+APPLICATION_ID = 0x44534350  # "DSCP": marks the file as a deepscope store for `file(1)` and us
+
+# Statistics stored for every tensor record, in column order. Units: those of the tensor.
+STAT_COLUMNS: tuple[str, ...] = (
+    "numel",      # number of elements
+    "mean",       # over finite elements
+    "std",        # population (ddof=0), over finite elements
+    "abs_mean",
+    "min",
+    "max",
+    "abs_max",
+    "norm",       # L2 norm of the finite elements
+    "zero_frac",  # fraction of elements exactly 0
+    "nan",        # count
+    "posinf",     # count
+    "neginf",     # count
+    "sv_max",     # largest singular value (2-D parameters, optional; NULL otherwise)
+)
+
+DDL = f"""
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS steps (
+    step INTEGER PRIMARY KEY, kind TEXT NOT NULL, wall_time REAL NOT NULL,
+    iterations INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS tensors (
+    id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, role TEXT NOT NULL, node TEXT NOT NULL,
+    role_in_node TEXT NOT NULL, shape TEXT NOT NULL, dtype TEXT NOT NULL, batch_dim INTEGER);
+CREATE TABLE IF NOT EXISTS records (
+    tensor_id INTEGER NOT NULL, direction TEXT NOT NULL, step INTEGER NOT NULL,
+    iteration INTEGER NOT NULL, {", ".join(c + " REAL" for c in STAT_COLUMNS)},
+    PRIMARY KEY (tensor_id, direction, step, iteration)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS records_by_step ON records (step, iteration);
+CREATE TABLE IF NOT EXISTS arrays (
+    tensor_id INTEGER NOT NULL, direction TEXT NOT NULL, view TEXT NOT NULL,
+    step INTEGER NOT NULL, iteration INTEGER NOT NULL, dtype TEXT NOT NULL, shape TEXT NOT NULL,
+    data BLOB NOT NULL, PRIMARY KEY (tensor_id, direction, view, step, iteration)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS graphs (hash TEXT PRIMARY KEY, body TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS iterations (
+    step INTEGER NOT NULL, iteration INTEGER NOT NULL, graph TEXT NOT NULL,
+    PRIMARY KEY (step, iteration));
+CREATE TABLE IF NOT EXISTS kpis (
+    name TEXT NOT NULL, step INTEGER NOT NULL, kind TEXT NOT NULL, value REAL,
+    PRIMARY KEY (name, step));
+CREATE TABLE IF NOT EXISTS notes (
+    id INTEGER PRIMARY KEY, wall_time REAL NOT NULL, step INTEGER, text TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS quantities (
+    name TEXT NOT NULL, layer TEXT NOT NULL, step INTEGER NOT NULL, value REAL,
+    meta TEXT NOT NULL, PRIMARY KEY (name, layer, step));
+CREATE TABLE IF NOT EXISTS quantity_arrays (
+    name TEXT NOT NULL, layer TEXT NOT NULL, step INTEGER NOT NULL, dtype TEXT NOT NULL,
+    shape TEXT NOT NULL, data BLOB NOT NULL, PRIMARY KEY (name, layer, step));
+CREATE TABLE IF NOT EXISTS anomalies (
+    id INTEGER PRIMARY KEY, step INTEGER NOT NULL, tensor TEXT NOT NULL, detector TEXT NOT NULL,
+    value REAL, threshold REAL, message TEXT NOT NULL);
+"""
