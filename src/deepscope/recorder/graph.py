@@ -130,10 +130,15 @@ def build_graphs(named: list[Named], params: dict[str, torch.Tensor], param_node
     """
     tensor_map: dict = {}
     leaf_map: dict[int, Source] = {id(p): (n, None) for n, p in params.items()}
+    aliases: dict[Source, Source] = {}  # the same tensor under a second name (module output)
     for rec in named:
         t = rec.tensor
         if t.grad_fn is not None:
-            tensor_map[(t.grad_fn, t.output_nr)] = (rec.name, rec.iteration)
+            key = (t.grad_fn, t.output_nr)
+            if key in tensor_map:
+                aliases[(rec.name, rec.iteration)] = tensor_map[key]
+            else:
+                tensor_map[key] = (rec.name, rec.iteration)
         elif t.requires_grad:
             leaf_map[id(t)] = (rec.name, rec.iteration)
     memo: dict = {}
@@ -144,7 +149,9 @@ def build_graphs(named: list[Named], params: dict[str, torch.Tensor], param_node
         g["tensors"][rec.name] = {"name": rec.name, "role": rec.role, "node": rec.node}
         if rec.tensor.grad_fn is None:
             continue
-        sources = _frontier(rec.tensor.grad_fn, tensor_map, leaf_map, attachments, memo)
+        alias = aliases.get((rec.name, rec.iteration))
+        sources = ({alias} if alias is not None
+                   else _frontier(rec.tensor.grad_fn, tensor_map, leaf_map, attachments, memo))
         for src_name, src_iter in sources:
             if src_iter is None:
                 lag = None

@@ -56,6 +56,7 @@ class StepRecorder:
         self._decision: bool | None = None
         self._instrumented = instrumented
         self._iteration = 0
+        self._open = False
         self._iterations_used = False
         self._kpis: list[tuple[str, int, str, Any]] = []
         self.loss_value: torch.Tensor | None = None
@@ -75,11 +76,18 @@ class StepRecorder:
         self._started = time.time()
 
     def __enter__(self) -> StepRecorder:
+        self._open = True
         self.scope._enter(self)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._open = False
         self.scope._exit(self, exc_type is not None)
+
+    def _check_open(self, call: str) -> None:
+        if not self._open:
+            raise ValueError(f"rec.{call}(...) called outside its step; call it inside "
+                             "`with scope.step(n) as rec:`")
 
     # --- public API -------------------------------------------------------------------------
     def tensor(self, name: str, tensor: torch.Tensor, role: str = "activation", *,
@@ -92,6 +100,7 @@ class StepRecorder:
         "auto" = 0 for batched roles with at least one dimension, else None. Its gradient is
         recorded after backward when it requires grad (by a hook; the tensor is not changed).
         """
+        self._check_open("tensor")
         if not self.recording:
             return
         _check_name(name)
@@ -123,6 +132,7 @@ class StepRecorder:
         per_sample: (B,) losses of the batch items; needed by most instruments. The loss is
         also logged as the KPI `name` on every step.
         """
+        self._check_open("loss")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             got = (f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
                    else type(loss).__name__)
@@ -148,6 +158,7 @@ class StepRecorder:
 
     def kpi(self, name: str, value: float | torch.Tensor) -> None:
         """Log a scalar on every step, recorded or not (cheap: no host sync here)."""
+        self._check_open("kpi")
         _check_kpi(name, value)
         if isinstance(value, torch.Tensor):
             value = value.detach()
@@ -156,6 +167,7 @@ class StepRecorder:
     @contextlib.contextmanager
     def iteration(self) -> Iterator[int]:
         """Context for one forward pass of an unrolled (recurrent) step; yields its index."""
+        self._check_open("iteration")
         if self._iterations_used:
             self._iteration += 1
         self._iterations_used = True
@@ -163,6 +175,7 @@ class StepRecorder:
 
     def connect(self, source: str, target: str) -> None:
         """Add a graph edge autograd cannot see (detach, integer paths), in this iteration."""
+        self._check_open("connect")
         _check_name(source, "connection source")
         _check_name(target, "connection target")
         if self.recording:
@@ -174,6 +187,7 @@ class StepRecorder:
         Use it between the backward passes of several losses; the plain 'grad' record at the
         end of the step holds the sum over all backward passes.
         """
+        self._check_open("gradients")
         _check_name(group, "gradient group")
         if self.recording:
             self.scope._guard(self._snapshot_grads, f"grad:{group}")

@@ -1,0 +1,45 @@
+"""Small models and a training loop shared by the foundation tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MLP3(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x, rec=None):
+        h1 = torch.relu(self.l1(x))
+        h2 = torch.relu(self.l2(h1))
+        out = self.l3(h2)
+        if rec is not None:
+            rec.tensor("h1", h1)
+            rec.tensor("h2", h2)
+        return out
+
+
+def edges(graph: dict) -> set[tuple[str, str]]:
+    return {(e["source"], e["target"]) for e in graph["edges"]}
+
+
+def train_mlp(scope, steps: int = 4, batch: int = 8) -> MLP3:
+    model = MLP3()
+    scope.watch(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = torch.randn(batch, 6), torch.randint(0, 3, (batch,))
+        with scope.step(step) as rec:
+            rec.tensor("input", x, role="input")
+            rec.tensor("target", y, role="target")
+            out = model(x, rec)
+            rec.tensor("output", out, role="output")
+            losses = nn.functional.cross_entropy(out, y, reduction="none")
+            rec.loss(losses.mean(), per_sample=losses)
+            opt.zero_grad()
+            losses.mean().backward()
+            opt.step()
+            rec.kpi("accuracy", (out.argmax(1) == y).float().mean())
+    return model
