@@ -98,11 +98,11 @@ def test_unwritable_path(tmp_path):
 
 
 def test_internal_failure_logged_once_training_continues(tmp_path, monkeypatch, caplog):
-    import deepscope.recorder.step as step_mod
+    import deepscope.recorder.stats as stats_mod
 
     def broken(*a, **k):
         raise RuntimeError("boom in stats")
-    monkeypatch.setattr(step_mod, "tensor_stats", broken)
+    monkeypatch.setattr(stats_mod, "tensor_stats", broken)
     lin = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)
     before = lin.weight.detach().clone()

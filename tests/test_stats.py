@@ -104,3 +104,15 @@ def test_recorded_stats_and_views_roundtrip(tmp_path):
     assert list(long.columns) == ["step", "iteration", "tensor", "direction", "statistic",
                                   "value"]
     assert len(long) == len(STAT_COLUMNS)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_aggregate_views_precision(tmp_path, exact):
+    x = torch.randn(32, 50) * 1e-6  # gradient-sized values must not underflow
+    with deepscope.Scope(tmp_path, "p", schedule=1, exact_views=exact) as scope:
+        with scope.step(0) as rec:
+            rec.tensor("x", x)
+    got = deepscope.open_run(tmp_path / "p").values("x", 0, view="neuron_mean")
+    want = x.double().mean(0).numpy()
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5 if exact else 4e-3)

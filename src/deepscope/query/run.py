@@ -148,12 +148,14 @@ class Run:
 
         Views: neuron_mean / neuron_std / neuron_abs_max (per neuron, over the batch; for
         parameters per index of dim 0), sample_mean / sample_std / sample_abs_max (per batch
-        item), samples (full values of the first max_samples items).
+        item) — stored as bfloat16 unless the scope had exact_views=True — and samples (full
+        float32 values of the first max_samples items). Returned as float32/float64.
         """
         r = self._r(rank)
         rows = r.query(
-            "SELECT a.dtype, a.shape, a.data FROM arrays a JOIN tensors t ON t.id = a.tensor_id"
-            " WHERE t.name = ? AND a.step = ? AND a.iteration = ? AND a.direction = ? "
+            "SELECT a.dtype, a.shape, substr(b.data, a.offset + 1, a.nbytes) FROM arrays a "
+            "JOIN tensors t ON t.id = a.tensor_id JOIN step_blobs b ON b.step = a.step "
+            "WHERE t.name = ? AND a.step = ? AND a.iteration = ? AND a.direction = ? "
             "AND a.view = ?", (tensor, step, iteration, direction, view))
         if not rows:
             have = self.views(tensor, step, iteration=iteration, direction=direction, rank=rank)

@@ -39,6 +39,8 @@ class Scope:
         tentatively and kept if `keep_if(rec)` is true or `rec.keep()` was called.
     overwrite / resume: what to do if the run exists (default: refuse with an error).
     on_full: "block" (back-pressure) or "drop" (drop whole steps) when the writer lags.
+    exact_views: store per-neuron / per-sample aggregate views as float32 instead of
+        bfloat16 (twice the bytes). Statistics and sample values are always exact.
     """
 
     def __init__(self, path: str | Path = "runs", run: str = "run", *,
@@ -52,7 +54,7 @@ class Scope:
                  overwrite: bool = False, resume: bool = False,
                  rank: int | None = None, queue_size: int = 32, on_full: str = "block",
                  singular_values: bool = False, max_neurons: int = DEFAULT_MAX_NEURONS,
-                 seed: int = 0) -> None:
+                 exact_views: bool = False, seed: int = 0) -> None:
         check_run_name(run)
         if overwrite and resume:
             raise ValueError("pass either overwrite=True or resume=True, not both")
@@ -64,6 +66,7 @@ class Scope:
         self.max_samples = max_samples
         self.max_neurons = max_neurons
         self.singular_values = singular_values
+        self.exact_views = exact_views
         self.rank = _default_rank() if rank is None else rank
         self.run_dir = Path(path) / run
         self._instrument_spec = instruments
@@ -103,6 +106,7 @@ class Scope:
         meta = {"run": run, "rank": self.rank, "torch": torch.__version__,
                 "schedule": repr(self.schedule), "instruments": self._instrument_spec,
                 "max_samples": self.max_samples, "max_neurons": self.max_neurons,
+                "exact_views": self.exact_views,
                 "argv": sys.argv[:8], "started": time.time()}
         try:
             return StoreWriter(target, meta, resume=resume, queue_size=queue_size,

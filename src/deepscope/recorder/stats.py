@@ -7,6 +7,8 @@ them and the writer copies them to the host once per step.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..store.schema import STAT_COLUMNS
@@ -23,45 +25,72 @@ def tensor_stats(x: torch.Tensor, singular_value: bool = False) -> torch.Tensor:
     zero_frac is over all elements; sv_max is NaN unless `singular_value` and x is 2-D.
     """
     x = x.detach()
-    flat = x.reshape(-1)
-    n = flat.numel()
-    x64 = flat.to(torch.float64)
+    x64 = x.reshape(-1).to(torch.float64)
+    n = x64.numel()
+    # On the CPU a branch costs nothing, so the common all-finite case takes a lean path; on an
+    # accelerator the masked path avoids a host sync per tensor.
+    if n and x64.device.type == "cpu" and bool(torch.isfinite(x64.sum())):
+        values = _finite_stats(x64)
+    else:
+        values = _masked_stats(x64)
+    values["numel"] = torch.tensor(float(n), dtype=torch.float64, device=x.device)
+    values["zero_frac"] = (n - torch.count_nonzero(x64)) / max(n, 1)
+    values["sv_max"] = torch.tensor(float("nan"), dtype=torch.float64, device=x.device)
+    if singular_value and x.dim() == 2 and n:
+        w = torch.nan_to_num(x64.reshape(x.shape), nan=0.0, posinf=0.0, neginf=0.0)
+        values["sv_max"] = torch.linalg.matrix_norm(w, ord=2)
+    return torch.stack([values[c].to(torch.float64) for c in STAT_COLUMNS])
+
+
+def _finite_stats(x64: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Statistics of a 1-D float64 tensor known to hold only finite values.
+
+    Built from the cheapest reductions (sum, dot, aminmax): Welford-style var_mean and the
+    inf-norm are several times slower on the CPU. The variance is taken around the first
+    element, which keeps E[x²] − E[x]² free of cancellation when |mean| ≫ std.
+    """
+    n = x64.numel()
+    shifted = x64 - x64[0]
+    s1 = shifted.sum() / n
+    var = (torch.dot(shifted, shifted) / n - s1 * s1).clamp_min(0.0)
+    mn, mx = torch.aminmax(x64)
+    zero = torch.zeros((), dtype=torch.int64, device=x64.device)
+    return {"mean": s1 + x64[0], "std": var.sqrt(), "abs_mean": x64.abs().sum() / n,
+            "min": mn, "max": mx, "abs_max": torch.maximum(-mn, mx),
+            "norm": torch.dot(x64, x64).sqrt(), "nan": zero, "posinf": zero, "neginf": zero}
+
+
+def _masked_stats(x64: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Statistics over the finite elements of a 1-D float64 tensor, with non-finite counts."""
     finite = torch.isfinite(x64)
-    nan = torch.isnan(x64).sum()
-    posinf = (x64 == float("inf")).sum()
-    neginf = (x64 == float("-inf")).sum()
     count = finite.sum()
     z = torch.where(finite, x64, 0.0)
     mean = z.sum() / count
-    centred = torch.where(finite, x64 - mean, 0.0)
-    std = (centred.square().sum() / count).sqrt()
+    std = (torch.where(finite, x64 - mean, 0.0).square().sum() / count).sqrt()
     absz = z.abs()
-    inf = torch.tensor(float("inf"), dtype=torch.float64, device=x.device)
-    if n:
+    nan = torch.tensor(float("nan"), dtype=torch.float64, device=x64.device)
+    inf = torch.tensor(float("inf"), dtype=torch.float64, device=x64.device)
+    if x64.numel():
         mn = torch.where(finite, x64, inf).min()
         mx = torch.where(finite, x64, -inf).max()
         abs_max = absz.max()
     else:
-        mn = mx = abs_max = torch.tensor(float("nan"), dtype=torch.float64, device=x.device)
+        mn = mx = abs_max = nan
     # min/max of a tensor with no finite element are undefined, not +-inf.
-    nan_t = torch.tensor(float("nan"), dtype=torch.float64, device=x.device)
-    mn = torch.where(count > 0, mn, nan_t)
-    mx = torch.where(count > 0, mx, nan_t)
-    sv = nan_t
-    if singular_value and x.dim() == 2 and n:
-        sv = torch.linalg.matrix_norm(z.reshape(x.shape), ord=2)
-    values = {
-        "numel": torch.tensor(float(n), dtype=torch.float64, device=x.device),
-        "mean": mean, "std": std, "abs_mean": absz.sum() / count, "min": mn, "max": mx,
-        "abs_max": abs_max, "norm": z.square().sum().sqrt(),
-        "zero_frac": (x64 == 0).sum() / max(n, 1),
-        "nan": nan, "posinf": posinf, "neginf": neginf, "sv_max": sv,
-    }
-    return torch.stack([values[c].to(torch.float64) for c in STAT_COLUMNS])
+    return {"mean": mean, "std": std, "abs_mean": absz.sum() / count,
+            "min": torch.where(count > 0, mn, nan), "max": torch.where(count > 0, mx, nan),
+            "abs_max": abs_max, "norm": z.square().sum().sqrt(),
+            "nan": torch.isnan(x64).sum(), "posinf": (x64 == float("inf")).sum(),
+            "neginf": (x64 == float("-inf")).sum()}
 
 
-def _masked_rows(rows: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
+def _rows(rows: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
     """mean / std / abs_max over `dim` of a 2-D float tensor, ignoring non-finite elements."""
+    if rows.device.type == "cpu" and bool(torch.isfinite(rows.sum())):
+        r64 = rows.to(torch.float64)
+        mean = r64.mean(dim)
+        var = ((r64 * r64).mean(dim) - mean * mean).clamp_min(0.0)
+        return {"mean": mean.float(), "std": var.sqrt().float(), "abs_max": rows.abs().amax(dim)}
     finite = torch.isfinite(rows)
     count = finite.sum(dim).clamp_min(1)
     z = torch.where(finite, rows, 0.0)
@@ -91,14 +120,14 @@ def array_views(x: torch.Tensor, batch_dim: int | None, max_samples: int,
     views: dict[str, torch.Tensor] = {}
     if batch_dim is None:
         rows = xf.reshape(x.shape[0], -1)[:max_neurons]
-        for stat, v in _masked_rows(rows, 1).items():
+        for stat, v in _rows(rows, 1).items():
             views[f"neuron_{stat}"] = v
         return views
     xb = xf.movedim(batch_dim, 0)
     flat = xb.reshape(xb.shape[0], -1)
-    for stat, v in _masked_rows(flat[:, :max_neurons], 0).items():
+    for stat, v in _rows(flat[:, :max_neurons], 0).items():
         views[f"neuron_{stat}"] = v
-    for stat, v in _masked_rows(flat[:max_items], 1).items():
+    for stat, v in _rows(flat[:max_items], 1).items():
         views[f"sample_{stat}"] = v
     if max_samples > 0:
         keep = xb[:max_samples]
@@ -106,3 +135,47 @@ def array_views(x: torch.Tensor, batch_dim: int | None, max_samples: int,
             keep = flat[:max_samples, :max_values]
         views["samples"] = keep.contiguous()
     return views
+
+
+class Capture(NamedTuple):
+    """A private copy of one tensor record, summarised later on the writer thread."""
+
+    name: str
+    direction: str
+    iteration: int
+    tensor: torch.Tensor
+    batch_dim: int | None
+    is_parameter: bool
+
+
+Summary = tuple[list[tuple[str, str, int]], torch.Tensor,
+                list[tuple[str, str, str, int, torch.Tensor]]]
+
+
+def summarise_captures(captures: list[Capture], max_samples: int, max_neurons: int,
+                       singular_values: bool, exact_views: bool) -> Summary:
+    """Statistics and array views of a step's captures, copied to the host in one transfer each.
+
+    Returns (keys, stats (R, len(STAT_COLUMNS)) float64 on the host, arrays as
+    (name, direction, view, iteration, host tensor)). Aggregated views (neuron_*, sample_*)
+    are bfloat16 (3 significant digits, float32 range: enough to draw, half the bytes) unless
+    `exact_views`; full sample values stay float32; the statistics are exact float64.
+    """
+    keys, stats, pending = [], [], []
+    for c in captures:
+        keys.append((c.name, c.direction, c.iteration))
+        stats.append(tensor_stats(c.tensor, singular_values and c.is_parameter))
+        for view, arr in array_views(c.tensor, c.batch_dim, max_samples, max_neurons).items():
+            pending.append((c.name, c.direction, view, c.iteration, arr))
+    host_stats = torch.stack(stats).cpu() if stats else torch.zeros(0, len(STAT_COLUMNS))
+    arrays = []
+    if pending:
+        flat = torch.cat([a.reshape(-1) for *_, a in pending]).cpu()
+        offset = 0
+        for name, direction, view, it, arr in pending:
+            host = flat[offset:offset + arr.numel()].reshape(arr.shape)
+            if view != "samples" and not exact_views:
+                host = host.to(torch.bfloat16)
+            arrays.append((name, direction, view, it, host))
+            offset += arr.numel()
+    return keys, host_stats, arrays

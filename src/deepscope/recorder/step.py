@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -12,7 +13,7 @@ import torch
 
 from ..store.writer import StepPayload, TensorInfo
 from .graph import Named, build_graphs, graph_hash, saved_attachments
-from .stats import array_views, tensor_stats
+from .stats import Capture, summarise_captures
 
 if TYPE_CHECKING:
     from .scope import Scope
@@ -67,9 +68,7 @@ class StepRecorder:
         self._seen: set[tuple[str, int]] = set()
         self._manual: list[tuple[str, str, int]] = []
         self._infos: dict[str, TensorInfo] = {}
-        self._stat_keys: list[tuple[str, str, int]] = []
-        self._stats: list[torch.Tensor] = []
-        self._arrays: list[tuple[str, str, str, int, torch.Tensor]] = []
+        self._captures: list[Capture] = []
         self._grads: dict[tuple[str, int], torch.Tensor] = {}
         self._activation_counts: dict[tuple[str, int], int] = {}
         self._attachments: dict | None = None
@@ -231,14 +230,10 @@ class StepRecorder:
 
     def _record_values(self, name: str, direction: str, iteration: int, tensor: torch.Tensor,
                        batch_dim: int | None) -> None:
-        scope = self.scope
-        is_param = self._infos[name].role == "parameter"
-        stats = tensor_stats(tensor, scope.singular_values and is_param)
-        views = array_views(tensor, batch_dim, scope.max_samples, scope.max_neurons)
-        self._stat_keys.append((name, direction, iteration))
-        self._stats.append(stats)
-        for view, arr in views.items():
-            self._arrays.append((name, direction, view, iteration, arr))
+        # A copy, because the user may change the tensor in place later in the step (inplace
+        # ReLU, optimizer.step, zero_grad); statistics are computed off the training thread.
+        self._captures.append(Capture(name, direction, iteration, tensor.detach().clone(),
+                                      batch_dim, self._infos[name].role == "parameter"))
 
     def _start(self) -> None:
         """Called on entry of a recorded step: parameter values and gradient hooks."""
@@ -295,11 +290,14 @@ class StepRecorder:
     def _payload(self) -> StepPayload:
         self._snapshot_grads("grad")
         cached = self._graph()
-        stats = torch.stack(self._stats) if self._stats else None
+        scope = self.scope
+        summarise = functools.partial(summarise_captures, self._captures, scope.max_samples,
+                                      scope.max_neurons, scope.singular_values,
+                                      scope.exact_views)
         return StepPayload(
             step=self.step, kind=self.kind, wall_time=self._started,
             iterations=self._iteration + 1, tensors=list(self._infos.values()),
-            stat_keys=self._stat_keys, stats=stats, arrays=self._arrays,
+            summarise=summarise,
             graphs={h: body for _, h, body in cached},
             iteration_graphs=[(it, h) for it, h, _ in cached])
 

@@ -6,6 +6,7 @@ import json
 import math
 
 import numpy as np
+import torch
 
 from ..errors import CorruptRunError
 
@@ -15,11 +16,19 @@ DTYPES: dict[str, np.dtype] = {
     for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
                  "bool")
 }
+# bfloat16 (numpy has no such dtype) is stored as its raw 16 bits and widened to float32 on read.
+BFLOAT16 = "bfloat16"
 MAX_NDIM = 8
 
 
-def encode(array: np.ndarray) -> tuple[str, str, bytes]:
-    """Return (dtype name, JSON shape, little-endian bytes) for a numeric numpy array."""
+def encode(array: np.ndarray | torch.Tensor) -> tuple[str, str, bytes]:
+    """Return (dtype name, JSON shape, little-endian bytes) for a numeric array or host tensor."""
+    if isinstance(array, torch.Tensor):
+        t = array.detach().cpu()
+        if t.dtype == torch.bfloat16:
+            bits = t.contiguous().view(torch.int16).numpy().astype("<i2")
+            return BFLOAT16, json.dumps(list(t.shape)), bits.tobytes()
+        array = t.numpy()
     arr = np.asarray(array)
     name = arr.dtype.name
     if name not in DTYPES:
@@ -30,6 +39,9 @@ def encode(array: np.ndarray) -> tuple[str, str, bytes]:
 
 def decode(dtype: str, shape: str, data: bytes) -> np.ndarray:
     """Inverse of `encode`; validates everything, so a crafted file cannot make us allocate."""
+    if dtype == BFLOAT16:
+        bits = decode("int16", shape, data).astype(np.int32) & 0xFFFF
+        return (bits << 16).astype(np.uint32).view(np.float32)
     if dtype not in DTYPES:
         raise CorruptRunError(f"stored array has unknown dtype {dtype!r}; the file is corrupt")
     try:

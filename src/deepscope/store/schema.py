@@ -37,10 +37,14 @@ CREATE TABLE IF NOT EXISTS records (
     iteration INTEGER NOT NULL, {", ".join(c + " REAL" for c in STAT_COLUMNS)},
     PRIMARY KEY (tensor_id, direction, step, iteration)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS records_by_step ON records (step, iteration);
+-- All arrays of one step live in one blob (few, full overflow pages instead of a partly
+-- empty page per array); `arrays` indexes into it.
+CREATE TABLE IF NOT EXISTS step_blobs (step INTEGER PRIMARY KEY, data BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS arrays (
     tensor_id INTEGER NOT NULL, direction TEXT NOT NULL, view TEXT NOT NULL,
     step INTEGER NOT NULL, iteration INTEGER NOT NULL, dtype TEXT NOT NULL, shape TEXT NOT NULL,
-    data BLOB NOT NULL, PRIMARY KEY (tensor_id, direction, view, step, iteration)) WITHOUT ROWID;
+    offset INTEGER NOT NULL, nbytes INTEGER NOT NULL,
+    PRIMARY KEY (tensor_id, direction, view, step, iteration)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS graphs (hash TEXT PRIMARY KEY, body TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS iterations (
     step INTEGER NOT NULL, iteration INTEGER NOT NULL, graph TEXT NOT NULL,

@@ -14,6 +14,7 @@ import queue
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,8 +46,10 @@ class TensorInfo:
 class StepPayload:
     """Everything one recorded step writes, committed as one transaction.
 
-    stats: device tensor (R, len(STAT_COLUMNS)) with one row per key in `stat_keys`
-    (name, direction, iteration). arrays: (name, direction, view, iteration, device tensor).
+    summarise: called on the writer thread; returns (keys, stats, arrays): keys are
+    (name, direction, iteration), stats a (R, len(STAT_COLUMNS)) tensor with one row per key,
+    arrays (name, direction, view, iteration, tensor). Computing them here keeps the work off
+    the training thread.
     """
 
     step: int
@@ -54,9 +57,8 @@ class StepPayload:
     wall_time: float
     iterations: int
     tensors: list[TensorInfo] = field(default_factory=list)
-    stat_keys: list[tuple[str, str, int]] = field(default_factory=list)
-    stats: torch.Tensor | None = None
-    arrays: list[tuple[str, str, str, int, torch.Tensor]] = field(default_factory=list)
+    summarise: Callable[[], tuple[list[tuple[str, str, int]], torch.Tensor,
+                                  list[tuple[str, str, str, int, torch.Tensor]]]] | None = None
     graphs: dict[str, str] = field(default_factory=dict)
     iteration_graphs: list[tuple[int, str]] = field(default_factory=list)
     quantities: list[QuantityValue] = field(default_factory=list)
@@ -112,6 +114,7 @@ class StoreWriter:
         self.dropped_steps = 0
         self.committed_steps = 0
         self.failed: str | None = None
+        self._reported: set[str] = set()
         self._tensor_ids: dict[str, int] = {}
         self._con = connect(path)
         self._init_meta(meta, resume)
@@ -213,10 +216,13 @@ class StoreWriter:
 
     def _write(self, item: Any) -> None:
         con = self._con
+        summary = self._summarise(item) if isinstance(item, StepPayload) else None
+        if isinstance(item, StepPayload) and summary is None:
+            return
         con.execute("BEGIN")
         try:
             if isinstance(item, StepPayload):
-                self._write_step(item)
+                self._write_step(item, *summary)
             elif isinstance(item, _Kpis):
                 con.executemany("INSERT OR REPLACE INTO kpis VALUES (?, ?, ?, ?)",
                                 [(n, s, k, _to_float(v)) for n, s, k, v in item.rows])
@@ -234,6 +240,20 @@ class StoreWriter:
         if isinstance(item, StepPayload):
             self.committed_steps += 1
 
+    def _summarise(self, p: StepPayload) -> tuple | None:
+        """Run the step's summary; a failure there loses this step only, not the writer."""
+        if p.summarise is None:
+            return [], None, []
+        try:
+            return p.summarise()
+        except Exception as exc:
+            key = f"{type(exc).__name__}: {exc}"
+            if key not in self._reported:
+                self._reported.add(key)
+                log.warning("deepscope: summarising step %d failed (%s); the step is skipped, "
+                            "training continues", p.step, key)
+            return None
+
     def _tensor_id(self, info: TensorInfo) -> int:
         tid = self._tensor_ids.get(info.name)
         if tid is None:
@@ -245,24 +265,29 @@ class StoreWriter:
             tid = self._tensor_ids[info.name] = int(cur.lastrowid)
         return tid
 
-    def _write_step(self, p: StepPayload) -> None:
+    def _write_step(self, p: StepPayload, keys: list, stats: torch.Tensor | None,
+                    step_arrays: list) -> None:
         con = self._con
         ids = {t.name: self._tensor_id(t) for t in p.tensors}
-        ids.update({n: self._tensor_ids[n] for n, _, _ in p.stat_keys if n not in ids})
-        if p.stats is not None and p.stat_keys:
-            values = p.stats.detach().to("cpu", torch.float64).numpy()
+        ids.update({n: self._tensor_ids[n] for n, _, _ in keys if n not in ids})
+        if keys:
+            values = stats.detach().to("cpu", torch.float64).numpy()
             rows = []
-            for (name, direction, iteration), row in zip(p.stat_keys, values):
+            for (name, direction, iteration), row in zip(keys, values):
                 rows.append((ids[name], direction, p.step, iteration,
                              *[None if np.isnan(v) else float(v) for v in row]))
             marks = ", ".join("?" * (4 + len(STAT_COLUMNS)))
             con.executemany(f"INSERT OR REPLACE INTO records VALUES ({marks})", rows)
-        arr_rows = []
-        for name, direction, view, iteration, tensor in p.arrays:
-            dtype, shape, data = arrays.encode(tensor.detach().cpu().numpy())
+        blob, arr_rows = bytearray(), []
+        for name, direction, view, iteration, tensor in step_arrays:
+            dtype, shape, data = arrays.encode(tensor)
             arr_rows.append((ids.get(name) or self._tensor_ids[name], direction, view, p.step,
-                             iteration, dtype, shape, data))
-        con.executemany("INSERT OR REPLACE INTO arrays VALUES (?, ?, ?, ?, ?, ?, ?, ?)", arr_rows)
+                             iteration, dtype, shape, len(blob), len(data)))
+            blob += data
+        if arr_rows:
+            con.execute("INSERT OR REPLACE INTO step_blobs VALUES (?, ?)", (p.step, bytes(blob)))
+            con.executemany("INSERT OR REPLACE INTO arrays VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            arr_rows)
         con.executemany("INSERT OR IGNORE INTO graphs VALUES (?, ?)", list(p.graphs.items()))
         con.executemany("INSERT OR REPLACE INTO iterations VALUES (?, ?, ?)",
                         [(p.step, i, h) for i, h in p.iteration_graphs])
