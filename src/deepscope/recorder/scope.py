@@ -41,6 +41,10 @@ class Scope:
     on_full: "block" (back-pressure) or "drop" (drop whole steps) when the writer lags.
     exact_views: store per-neuron / per-sample aggregate views as float32 instead of
         bfloat16 (twice the bytes). Statistics and sample values are always exact.
+    anomalies: the always-on health check of the watched model (non-finite loss or gradients
+        traced to their first tensor, gradient / loss / activation detectors). After a
+        non-finite step the next `record_next` steps are recorded in full. `on_anomaly(finding)`
+        is called for every finding; raise from it to stop training.
     """
 
     def __init__(self, path: str | Path = "runs", run: str = "run", *,
@@ -54,7 +58,9 @@ class Scope:
                  overwrite: bool = False, resume: bool = False,
                  rank: int | None = None, queue_size: int = 32, on_full: str = "block",
                  singular_values: bool = False, max_neurons: int = DEFAULT_MAX_NEURONS,
-                 exact_views: bool = False, seed: int = 0) -> None:
+                 exact_views: bool = False, anomalies: bool = True,
+                 on_anomaly: Callable[[Any], None] | None = None, record_next: int = 3,
+                 seed: int = 0) -> None:
         check_run_name(run)
         if overwrite and resume:
             raise ValueError("pass either overwrite=True or resume=True, not both")
@@ -75,6 +81,11 @@ class Scope:
         self._quantity_schedules = quantity_schedules
         self._seed = seed
         self.instruments: Any = None
+        self.monitor: Any = None
+        self._anomalies = anomalies
+        self._on_anomaly = on_anomaly
+        self._record_next = record_next
+        self._force_record = 0
         self._params: dict[str, torch.Tensor] = {}
         self._param_nodes: dict[str, tuple[str, str]] = {}
         self._module_hooks: list[Any] = []
@@ -145,6 +156,14 @@ class Scope:
                 path = (prefix + mpath) if mpath else (name or "model")
                 self._module_hooks.append(
                     module.register_forward_hook(self._activation_hook(path, not mpath)))
+        if self._anomalies and self.monitor is None:
+            try:  # TEMPORARY until the anomalies package lands
+                from ..anomalies.monitor import HealthMonitor
+            except ModuleNotFoundError:
+                HealthMonitor = None
+        if self._anomalies and self.monitor is None and HealthMonitor is not None:
+            self.monitor = HealthMonitor(model, prefix=name or "", root_name=name or "model",
+                                         record_next=self._record_next)
         if self._instrument_spec is not None and self.instruments is None:
             from ..instruments.suite import Instruments  # heavy; only when asked for
             self.instruments = Instruments(
@@ -176,7 +195,8 @@ class Scope:
             raise ValueError(f"step numbers must increase: got {step} after {self._last_step}; "
                              "pass a global step counter")
         live = not self.writer.failed
-        record = live and bool(self.schedule(step, kind))
+        record = live and (bool(self.schedule(step, kind)) or self._force_record > 0)
+        self._force_record = max(self._force_record - 1, 0)
         tentative = (live and not record and self.dynamic is not None
                      and bool(self.dynamic(step, kind)))
         instrumented = (live and self.instruments is not None
@@ -191,6 +211,8 @@ class Scope:
         if rec._instrumented and self._guard(self.instruments.start, rec.step,
                                              rec.kind) is _FAILED:
             rec._instrumented = False
+        if self.monitor is not None:
+            self._guard(self.monitor.start, rec.step, rec.kind)
 
     def _exit(self, rec: StepRecorder, failed: bool) -> None:
         self._current = None
@@ -199,7 +221,9 @@ class Scope:
             if rec._instrumented:
                 self._guard(self.instruments.abort)
             return
-        self.writer.submit_kpis(rec._kpis)
+        # The kind may have been decided during the step (dynamic recording).
+        self.writer.submit_kpis([(n, rec.step, rec.kind, v) for n, v in rec._kpis])
+        self._check_health(rec.step)
         quantities = []
         if rec._instrumented:
             quantities = self._guard(self.instruments.finish) or []
@@ -212,6 +236,22 @@ class Scope:
                 self.writer.submit_step(payload)
                 return
         self.writer.submit_quantities(quantities)
+
+    def _check_health(self, step: int) -> None:
+        """Store the monitor's findings; the user's callback runs outside our guard so that it
+        can stop training."""
+        if self.monitor is None:
+            return
+        result = self._guard(self.monitor.finish, step)
+        if result is _FAILED:
+            return
+        findings, record_next = result
+        self._force_record = max(self._force_record, record_next)
+        self.writer.submit_anomalies([(f.step, f.tensor, f.detector, f.value, f.threshold,
+                                       f.message) for f in findings])
+        if self._on_anomaly is not None:
+            for f in findings:
+                self._on_anomaly(f)
 
     def _activation_hook(self, path: str, is_root: bool) -> Callable:
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
@@ -263,8 +303,9 @@ class Scope:
         for h in self._module_hooks:
             h.remove()
         self._module_hooks.clear()
-        if self.instruments is not None:
-            self._guard(self.instruments.close)
+        for part in (self.instruments, self.monitor):
+            if part is not None:
+                self._guard(part.close)
         self.writer.close()
 
     def __enter__(self) -> Scope:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..hookstate import hooks_paused
 from ..store.writer import StepPayload, TensorInfo
 from .graph import Named, build_graphs, graph_hash, saved_attachments
 from .stats import Capture, summarise_captures
@@ -59,7 +60,7 @@ class StepRecorder:
         self._iteration = 0
         self._open = False
         self._iterations_used = False
-        self._kpis: list[tuple[str, int, str, Any]] = []
+        self._kpis: list[tuple[str, Any]] = []
         self.loss_value: torch.Tensor | None = None
         self._hooks: list[Any] = []
         if not self.recording:
@@ -141,7 +142,7 @@ class StepRecorder:
             raise TypeError("rec.loss(..., per_sample=...) needs a 1-D tensor of per-sample "
                             "losses (reduction='none'), e.g. loss_fn(out, y, reduction='none')")
         self.loss_value = loss.detach()
-        self._kpis.append((name, self.step, self.kind, self.loss_value))
+        self._kpis.append((name, self.loss_value))
         if self.recording:
             self.tensor(name, loss.reshape(()) if loss.dim() else loss, role="loss")
             if per_sample is not None:
@@ -151,6 +152,8 @@ class StepRecorder:
             # Look now, before backward frees what autograd saved: inputs and targets are
             # found through saved tensors only.
             self.scope._guard(self._attach_saved)
+        if self.scope.monitor is not None:
+            self.scope._guard(self.scope.monitor.loss, loss)
         if self._instrumented:
             # Bad input must reach the user; internal failures are handled inside Instruments.
             self.scope.instruments.loss(loss, per_sample)
@@ -161,7 +164,7 @@ class StepRecorder:
         _check_kpi(name, value)
         if isinstance(value, torch.Tensor):
             value = value.detach()
-        self._kpis.append((name, self.step, self.kind, value))
+        self._kpis.append((name, value))
 
     @contextlib.contextmanager
     def iteration(self) -> Iterator[int]:
@@ -218,7 +221,8 @@ class StepRecorder:
 
     def _grad_hook(self, name: str, iteration: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            self.scope._guard(self._on_grad, name, iteration, grad)
+            if not hooks_paused():
+                self.scope._guard(self._on_grad, name, iteration, grad)
         return hook
 
     def _on_grad(self, name: str, iteration: int, grad: torch.Tensor) -> None:
