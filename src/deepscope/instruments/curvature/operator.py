@@ -1,0 +1,253 @@
+"""Matrix-free Hessian of a scalar loss with respect to a list of parameter tensors.
+
+The operator is built *before* the user's own ``loss.backward()``: it takes the gradient
+with ``create_graph=True, retain_graph=True`` so the user's graph survives, and each
+Hessian-vector product is one more backward pass through that gradient (reverse over
+reverse). Estimators (Lanczos, Hutchinson, ...) only see ``matvec``/``matmat``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import accumulate
+
+import torch
+from torch import Tensor
+
+MAX_BATCH_SIZE = 64  # HVPs per vmapped backward pass, for small models
+BLOCK_ELEMENTS = 2**24  # flat elements per block (64 MiB in float32): caps batch for big D
+
+
+class _NoSecondDerivative(NotImplementedError):
+    """An op in the loss's graph has no double backward (e.g. CPU flash attention)."""
+
+
+class HessianOperator:
+    """The Hessian H = ∇²_θ loss as a linear map on flat parameter vectors.
+
+    Flat vectors have shape (D,), D = total number of parameter elements, laid out as the
+    parameters' ``reshape(-1)`` concatenated in the order given. They live on the loss's
+    device and in the loss's dtype; each segment is cast to its parameter's dtype and
+    device only inside the backward pass.
+
+    Attributes:
+        params: the parameter tensors, in order.
+        dim:    D, the number of parameter elements.
+        sizes:  elements per parameter tensor, in order (sum is D).
+        shapes: the parameter tensors' shapes.
+        dtype:  dtype of flat vectors (the loss's).
+        device: device of flat vectors (the loss's).
+        batch_size: HVPs per vmapped backward pass in `matmat`; by default 64, fewer when
+                D is large so that a block holds at most 2**24 elements.
+
+    Call `release` (or use ``with HessianOperator(...) as op:``) to free the
+    double-backward graph; the user's graph is never freed by this class.
+    """
+
+    def __init__(
+        self, loss: Tensor, params: Sequence[Tensor], batch_size: int | None = None
+    ) -> None:
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"loss must be a torch.Tensor, got {type(loss).__name__}")
+        if loss.numel() != 1:
+            raise ValueError(
+                f"loss must be a scalar tensor, got shape {tuple(loss.shape)}; "
+                "pass the reduced loss (e.g. losses.mean()), not per-sample losses"
+            )
+        if not loss.is_floating_point():
+            raise TypeError(f"loss must be a floating-point tensor, got dtype {loss.dtype}")
+        if not loss.requires_grad:
+            raise ValueError(
+                "loss does not require grad; compute it with grad enabled from parameters "
+                "that require grad (not under torch.no_grad())"
+            )
+        if isinstance(params, Tensor) or not isinstance(params, Sequence):
+            raise TypeError(
+                "params must be a list of tensors, e.g. list(model.parameters()), "
+                f"got {type(params).__name__}"
+            )
+        self.params: list[Tensor] = list(params)
+        if not self.params:
+            raise ValueError("params is empty; pass the tensors to differentiate by")
+        seen: set[int] = set()
+        for i, p in enumerate(self.params):
+            if not isinstance(p, Tensor):
+                raise TypeError(f"params[{i}] must be a torch.Tensor, got {type(p).__name__}")
+            if not p.requires_grad:
+                raise ValueError(
+                    f"params[{i}] (shape {tuple(p.shape)}) does not require grad; pass only "
+                    "trainable parameters, e.g. [p for p in model.parameters() if p.requires_grad]"
+                )
+            if id(p) in seen:
+                raise ValueError(f"params[{i}] appears twice in params; pass each tensor once")
+            seen.add(id(p))
+        if batch_size is not None:
+            check_int("batch_size", batch_size, 1)
+
+        self.sizes: list[int] = [p.numel() for p in self.params]
+        self.shapes: list[torch.Size] = [p.shape for p in self.params]
+        self.dim: int = sum(self.sizes)
+        if self.dim == 0:
+            raise ValueError("params hold no elements; pass non-empty parameter tensors")
+        self.dtype: torch.dtype = loss.dtype
+        self.device: torch.device = loss.device
+        # The vmapped backward's memory grows with the batch too, so big models go row by row.
+        auto = max(1, min(MAX_BATCH_SIZE, BLOCK_ELEMENTS // self.dim))
+        self.batch_size: int = auto if batch_size is None else batch_size
+        self._batched: bool | None = None  # vmapped HVPs: unchecked / verified / unusable
+
+        # enable_grad: the recorder may build the operator inside a no_grad block.
+        with torch.enable_grad():
+            try:
+                grads = torch.autograd.grad(
+                    loss.reshape(()),
+                    self.params,
+                    create_graph=True,
+                    retain_graph=True,
+                    allow_unused=True,
+                )
+            except RuntimeError as err:
+                if "second time" in str(err):
+                    raise ValueError(
+                        "loss's graph was already freed by backward(); build the "
+                        "HessianOperator before calling loss.backward()"
+                    ) from None
+                raise
+        # Gradient parts that do not depend on the parameters (unused parameters, or
+        # a loss linear in them) have zero Hessian rows; only the others are differentiated.
+        self._grads: list[tuple[int, Tensor]] | None = [
+            (i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad
+        ]
+
+    def __enter__(self) -> HessianOperator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Drop the create_graph gradient so its double-backward graph can be freed."""
+        self._grads = None
+
+    def split(self, flat: Tensor) -> list[Tensor]:
+        """Views of a flat (D,) tensor shaped like each parameter, in order."""
+        self._check_flat(flat, "flat", batched=False)
+        return [seg.view(shape) for seg, shape in zip(flat.split(self.sizes), self.shapes)]
+
+    def matvec(self, v: Tensor) -> Tensor:
+        """H v for a flat (D,) vector; returns a detached flat (D,) tensor."""
+        self._check_flat(v, "v", batched=False)
+        return self._hvp(v.unsqueeze(0), batched=False)[0]
+
+    def matmat(self, V: Tensor) -> Tensor:
+        """H applied to each row of V, shape (k, D) -> (k, D), detached.
+
+        Rows go through one vmapped backward pass per `batch_size` rows
+        (``is_grads_batched``). vmap batching rules can be missing (an error) or wrong
+        (silently, e.g. pytorch/functorch#534), so the first batched block is checked
+        against one plain backward pass of the sum of its rows; on an error or a mismatch
+        the operator falls back to one backward pass per row from then on.
+        """
+        self._check_flat(V, "V", batched=True)
+        return torch.cat([self._hvp_block(block) for block in V.split(self.batch_size)])
+
+    def _hvp_block(self, block: Tensor) -> Tensor:
+        if self._batched is not False and block.shape[0] > 1:
+            try:
+                out = self._hvp(block, batched=True)
+            except _NoSecondDerivative:
+                raise
+            except RuntimeError:  # an op without a vmap batching rule
+                self._batched = False
+            else:
+                if self._batched or self._agrees_with_plain_backward(block, out):
+                    self._batched = True
+                    return out
+                self._batched = False
+        return torch.cat([self._hvp(row.unsqueeze(0), batched=False) for row in block])
+
+    def _agrees_with_plain_backward(self, block: Tensor, out: Tensor) -> bool:
+        """Whether H (Σ rows of block), one plain backward, equals the sum of out's rows."""
+        plain = self._hvp(block.sum(0, keepdim=True), batched=False)[0]
+        # Batched and plain differ only by round-off, relative to the rows summed.
+        tol = torch.finfo(self.dtype).eps ** 0.5 * (plain.norm() + out.norm())
+        return bool((out.sum(0) - plain).norm() <= tol)
+
+    def _hvp(self, V: Tensor, batched: bool) -> Tensor:
+        """(k, D) -> (k, D); k must be 1 when not batched."""
+        if self._grads is None:
+            raise RuntimeError("HessianOperator was released; build a new one from a fresh loss")
+        k = V.shape[0]
+        out = torch.zeros(k, self.dim, dtype=self.dtype, device=self.device)
+        if not self._grads:
+            return out  # loss is at most linear in the parameters: H = 0
+        offsets = [0, *accumulate(self.sizes)]
+        outputs, grad_outputs = [], []
+        for i, g in self._grads:
+            seg = V[:, offsets[i] : offsets[i + 1]].to(dtype=g.dtype, device=g.device)
+            outputs.append(g)
+            grad_outputs.append(seg.reshape(k, *g.shape) if batched else seg.reshape(g.shape))
+        try:
+            hv = torch.autograd.grad(
+                outputs,
+                self.params,
+                grad_outputs=grad_outputs,
+                retain_graph=True,
+                allow_unused=True,
+                is_grads_batched=batched,
+            )
+        except RuntimeError as err:
+            message = str(err).splitlines()[0] if str(err) else ""
+            if message.startswith("derivative for") and "not implemented" in message:
+                raise _NoSecondDerivative(
+                    f"the loss's graph has an op without a second derivative ({message}); "
+                    "curvature needs twice-differentiable ops, e.g. run attention under "
+                    "torch.nn.attention.sdpa_kernel(SDPBackend.MATH)"
+                ) from None
+            raise
+        for i, h in enumerate(hv):
+            if h is not None:
+                out[:, offsets[i] : offsets[i + 1]] = h.reshape(k, -1).to(out)
+        return out
+
+    def _check_flat(self, x: Tensor, name: str, batched: bool) -> None:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        want = "(k, D)" if batched else "(D,)"
+        ok = x.ndim == 2 and x.shape[1] == self.dim if batched else x.shape == (self.dim,)
+        if not ok:
+            raise ValueError(
+                f"{name} must have shape {want} with D={self.dim}, got {tuple(x.shape)}; "
+                "flatten with torch.cat([t.reshape(-1) for t in tensors])"
+            )
+
+
+def check_operator(op: object) -> HessianOperator:
+    """Return ``op`` if it is a HessianOperator, else raise a one-line TypeError."""
+    if not isinstance(op, HessianOperator):
+        raise TypeError(
+            f"op must be a HessianOperator, got {type(op).__name__}; "
+            "build one with HessianOperator(loss, list(model.parameters()))"
+        )
+    return op
+
+
+def check_int(name: str, value: object, minimum: int) -> int:
+    """Return ``value`` if it is an int >= ``minimum``, else raise a one-line error."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def seeded_generator(op: HessianOperator, seed: int) -> torch.Generator:
+    """A torch.Generator on the operator's device, seeded for reproducible probes."""
+    check_int("seed", seed, 0)
+    return torch.Generator(device=op.device).manual_seed(seed)
+
+
+def rademacher(op: HessianOperator, k: int, generator: torch.Generator) -> Tensor:
+    """k Rademacher (±1) probe vectors, shape (k, D), in the operator's dtype/device."""
+    probes = torch.empty(k, op.dim, dtype=op.dtype, device=op.device)
+    return probes.bernoulli_(0.5, generator=generator).mul_(2).sub_(1)
