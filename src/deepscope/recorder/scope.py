@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..hookstate import hooks_paused
 from ..store.layout import check_run_name, rank_file, rank_files
 from ..store.writer import StoreWriter
 from .schedule import Schedule, as_schedule, every
@@ -256,7 +257,8 @@ class Scope:
     def _activation_hook(self, path: str, is_root: bool) -> Callable:
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
             rec = self._current
-            if rec is not None and rec.recording:
+            # hooks_paused: an instrument re-running a module's forward is not the user's
+            if rec is not None and rec.recording and not hooks_paused():
                 self._guard(self._record_output, rec, path, is_root, output)
         return hook
 

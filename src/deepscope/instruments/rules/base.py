@@ -1,0 +1,271 @@
+"""Shared pieces of the per-sample gradient rules.
+
+A *rule* knows how to turn the captured forward calls of one module (inputs, kwargs,
+gradients w.r.t. its outputs) into per-sample gradient statistics of that module's own
+parameters. The engine (`deepscope.instruments.engine`) owns the hooks; rules never
+register hooks and never read current parameter values (the optimiser may already have
+changed them): what they need from the forward pass they take in `Rule.capture`.
+
+Notation: B batch size, gᵢ = ∇θ ℓᵢ the gradient of sample i's loss (not divided by B).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+class Unsupported(Exception):
+    """Raised by a rule when a call cannot be split into per-sample gradients.
+
+    The engine then reports NaN for the module's parameters and records the message.
+    """
+
+
+@dataclass
+class Call:
+    """One forward call of a module, as captured by the engine's hooks.
+
+    args / kwargs: the call's inputs; tensors detached (same storage, no copy).
+    grads:   one slot per output tensor leaf that required grad: ∂L/∂leaf (summed over
+             backward passes), or None when no gradient reached it.
+    out_index: position of each of those leaves among all tensor leaves of the output.
+    outputs: the detached output leaves with gradient slots, and their version counters
+             at forward time (only kept for rules that set `keeps_outputs`).
+    in_versions: version counters of the tensor leaves of (args, kwargs) at forward time.
+    extra:   what `Rule.capture` returned at forward time.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    out_index: list[int]
+    grads: list[Tensor | None]
+    outputs: list[Tensor] = field(default_factory=list)
+    out_versions: list[int] = field(default_factory=list)
+    in_versions: list[int] = field(default_factory=list)
+    extra: Any = None
+
+
+@dataclass
+class Context:
+    """Per-step settings the engine hands to rules.
+
+    batch_size: B.  scale: factor turning captured output gradients into gradients of
+    the per-sample losses (B for a mean-reduced loss, 1 for a sum).  chunk_size: samples
+    per materialised chunk.  budget: bytes of per-sample gradients rules may keep for
+    reuse within the step.  warn: records a user-facing message once.
+    """
+
+    batch_size: int
+    scale: float
+    chunk_size: int
+    budget: Budget
+    warn: Callable[[str], None]
+
+
+class Budget:
+    """A byte allowance shared by all modules of one step for keeping per-sample grads."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.left = limit_bytes
+
+    def take(self, nbytes: int) -> bool:
+        """Reserve `nbytes` if that much is left; True when granted."""
+        if nbytes > self.left:
+            return False
+        self.left -= nbytes
+        return True
+
+
+def tensor_leaves(obj: Any) -> list[Tensor]:
+    """The tensors inside nested tuples / lists / dicts (dict values in key order)."""
+    if isinstance(obj, Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for item in obj for t in tensor_leaves(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in tensor_leaves(item)]
+    return []
+
+
+def map_tensors(obj: Any, fn: Callable[[Tensor], Any]) -> Any:
+    """Rebuild nested tuples / lists / dicts with every tensor leaf replaced by fn(leaf).
+
+    Leaves are visited in the same order as `tensor_leaves`.
+    """
+    if isinstance(obj, Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        items = [map_tensors(item, fn) for item in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, list):
+        return [map_tensors(item, fn) for item in obj]
+    if isinstance(obj, dict):
+        return {key: map_tensors(value, fn) for key, value in obj.items()}
+    return obj
+
+
+def first_input(call: Call, name: str = "input") -> Tensor:
+    """The module's first positional input, or keyword `name` (e.g. F.linear's `input`)."""
+    x = call.args[0] if call.args else call.kwargs.get(name)
+    if not isinstance(x, Tensor):
+        raise Unsupported(f"its first input is {type(x).__name__}, not a tensor")
+    return x
+
+
+class ModuleGrads:
+    """Per-sample gradient statistics of one module's own parameters for one step.
+
+    Names are the module-local parameter names given at construction. Subclasses
+    implement `per_sample(lo, hi)`; closed forms override the statistics they can get
+    without materialising gᵢ. The defaults materialise gᵢ chunk by chunk (at most
+    `chunk_size` samples at a time) in one fused pass that yields all three reductions,
+    and keep the per-sample tensors for the step when the budget allows.
+    """
+
+    def __init__(self, shapes: dict[str, torch.Size], dtype: torch.dtype, ctx: Context) -> None:
+        self.shapes = shapes
+        self.dtype = dtype
+        self.ctx = ctx
+        self._fused: tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]] | None = None
+        self._kept: dict[str, Tensor] | None = None
+
+    def per_sample(self, lo: int, hi: int) -> dict[str, Tensor]:
+        """gᵢ for samples lo..hi-1: name -> (hi - lo, *param.shape)."""
+        raise NotImplementedError
+
+    def chunk(self, lo: int, hi: int) -> dict[str, Tensor]:
+        """gᵢ for samples lo..hi-1, from the kept tensors when there are any."""
+        if self._kept is not None:
+            return {name: g[lo:hi] for name, g in self._kept.items()}
+        return self.per_sample(lo, hi)
+
+    def chunks(self) -> Iterator[dict[str, Tensor]]:
+        """gᵢ of consecutive sample chunks covering the batch (the kept tensors: one chunk)."""
+        if self._kept is not None:
+            yield self._kept
+            return
+        size = self.ctx.chunk_size
+        for lo in range(0, self.ctx.batch_size, size):
+            yield self.per_sample(lo, min(lo + size, self.ctx.batch_size))
+
+    def _fused_pass(self) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
+        """(‖gᵢ‖² (B,), Σᵢ gᵢ, Σᵢ gᵢ²) for every parameter, from one materialising sweep."""
+        if self._fused is None:
+            keep = self._kept is None and self.ctx.budget.take(self._nbytes())
+            sq: dict[str, list[Tensor]] = {name: [] for name in self.shapes}
+            total: dict[str, Tensor] = {}
+            squares: dict[str, Tensor] = {}
+            kept: dict[str, list[Tensor]] = {name: [] for name in self.shapes}
+            for chunk in self.chunks():
+                for name, g in chunk.items():
+                    sq[name].append(g.flatten(1).square().sum(1))
+                    total[name] = total[name] + g.sum(0) if name in total else g.sum(0)
+                    sq_g = g.square().sum(0)
+                    squares[name] = squares[name] + sq_g if name in squares else sq_g
+                    if keep:
+                        kept[name].append(g)
+            if keep:
+                self._kept = {name: torch.cat(parts) for name, parts in kept.items()}
+            self._fused = ({n: torch.cat(v) for n, v in sq.items()}, total, squares)
+        return self._fused
+
+    def _nbytes(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return sum(self.ctx.batch_size * s.numel() * itemsize for s in self.shapes.values())
+
+    def sq_norms(self) -> dict[str, Tensor]:
+        """name -> (B,) ‖gᵢ‖²."""
+        return self._fused_pass()[0]
+
+    def grad_sum(self) -> dict[str, Tensor]:
+        """name -> Σᵢ gᵢ, parameter-shaped."""
+        return self._fused_pass()[1]
+
+    def second_moments(self) -> dict[str, Tensor]:
+        """name -> Σᵢ gᵢ² (elementwise), parameter-shaped."""
+        return self._fused_pass()[2]
+
+    def dots(self, vectors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """name -> (B,) gᵢ·v for the names in `vectors` (parameter-shaped, same dtype)."""
+        parts: dict[str, list[Tensor]] = {name: [] for name in vectors}
+        for chunk in self.chunks():
+            for name, v in vectors.items():
+                parts[name].append(chunk[name].flatten(1) @ v.reshape(-1))
+        return {name: torch.cat(p) for name, p in parts.items()}
+
+    def all_per_sample(self) -> dict[str, Tensor]:
+        """name -> (B, *param.shape): every gᵢ of this module at once."""
+        if self._kept is not None:
+            return self._kept
+        parts: dict[str, list[Tensor]] = {name: [] for name in self.shapes}
+        for chunk in self.chunks():
+            for name, g in chunk.items():
+                parts[name].append(g)
+        return {name: torch.cat(p) for name, p in parts.items()}
+
+
+class DenseGrads(ModuleGrads):
+    """Per-sample gradients that are small enough to compute whole (norm layers)."""
+
+    def __init__(self, grads: dict[str, Tensor], ctx: Context) -> None:
+        first = next(iter(grads.values()))
+        super().__init__({name: g.shape[1:] for name, g in grads.items()}, first.dtype, ctx)
+        self._kept = grads
+
+    def per_sample(self, lo: int, hi: int) -> dict[str, Tensor]:
+        return self.chunk(lo, hi)  # always kept
+
+
+class Rule:
+    """How to get per-sample gradients of one module's own parameters.
+
+    One instance per hooked module. `params` maps module-local names to the trainable
+    parameters the rule is responsible for.
+
+    Class attributes:
+      recursive      the rule owns every trainable parameter in the module's subtree (for
+                     modules that use their children's parameters without calling them,
+                     like nn.MultiheadAttention's out_proj).
+      keeps_outputs  the engine keeps each call's detached output leaves in `Call.outputs`.
+    """
+
+    recursive: bool = False
+    keeps_outputs: bool = False
+
+    def __init__(self, module: nn.Module, params: dict[str, nn.Parameter]) -> None:
+        self.module = module
+        self.params = params
+
+    def unsupported(self) -> str | None:
+        """Why this module's configuration needs the generic rule instead, or None."""
+        return None
+
+    def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Forward-time extras a later computation needs (stored in `Call.extra`)."""
+        return None
+
+    def reset(self) -> None:
+        """Forget per-step state (the engine calls this when it drops captures)."""
+
+    def batch_size(self, call: Call) -> int:
+        """B as seen by this call (dim 0 of the first input unless the rule knows better)."""
+        x = first_input(call)
+        if x.dim() == 0:
+            raise Unsupported("its input is a 0-d tensor without a batch dimension")
+        return int(x.shape[0])
+
+    def grads(self, calls: list[Call], ctx: Context) -> ModuleGrads:
+        """Per-sample gradient statistics from this step's calls (all with some gradient)."""
+        raise NotImplementedError
+
+    def _grad(self, call: Call, ctx: Context, dtype: torch.dtype) -> Tensor:
+        """The scaled gradient w.r.t. the call's single output, in `dtype`."""
+        g = call.grads[0]
+        if g is None or len(call.grads) != 1 or call.out_index != [0]:
+            raise Unsupported("its output is not a single tensor")
+        return g.to(dtype) * ctx.scale

@@ -1,0 +1,175 @@
+"""Closed forms for layers whose weight gradient is a sum of outer products (Linear, Conv).
+
+For sample i, group γ and positions t (sequence steps, or conv output positions):
+    gᵢ(W)[γ] = Σₜ G[i,γ,t] X[i,γ,t]ᵀ        gᵢ(b)[γ] = Σₜ G[i,γ,t]
+with X the layer input (conv: unfolded patches) and G the gradient w.r.t. the output.
+Several calls of one module are concatenated along t, which sums their contributions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from .base import Call, Context, ModuleGrads, Rule, Unsupported, first_input
+
+Patches = Callable[[int, int], tuple[Tensor, Tensor]]
+
+
+class OuterProductGrads(ModuleGrads):
+    """Per-sample statistics from patches X (b, groups, T, I) and G (b, groups, T, O).
+
+    `patches(lo, hi)` returns the patches of samples lo..hi-1 in the parameters' dtype,
+    with G already scaled to gradients of the per-sample losses. The weight is
+    (groups·O, I)-shaped up to a reshape to `shapes[weight]`; the bias (groups·O,).
+    `step`: samples per call of `patches` in the passes that need no per-sample gradients
+    (the whole batch when the patches are views of stored tensors: chunking would only
+    add per-call overhead).
+    """
+
+    def __init__(
+        self,
+        patches: Patches,
+        dims: tuple[int, int, int, int],
+        names: tuple[str | None, str | None],
+        shapes: dict[str, torch.Size],
+        dtype: torch.dtype,
+        ctx: Context,
+        step: int,
+    ) -> None:
+        super().__init__(shapes, dtype, ctx)
+        self.patches = patches
+        self.step = step
+        self.groups, self.T, self.I, self.O = dims
+        self.weight, self.bias = names
+        self._sq: dict[str, Tensor] | None = None
+        self._sum: dict[str, Tensor] | None = None
+        self._m2: dict[str, Tensor] | None = None
+
+    def per_sample(self, lo: int, hi: int) -> dict[str, Tensor]:
+        x, g = self.patches(lo, hi)
+        out = {}
+        if self.weight:
+            gw = torch.einsum("bgto,bgti->bgoi", g, x)
+            out[self.weight] = gw.reshape(hi - lo, *self.shapes[self.weight])
+        if self.bias:
+            out[self.bias] = g.sum(2).reshape(hi - lo, *self.shapes[self.bias])
+        return out
+
+    def _gram_cheaper(self) -> bool:
+        # per sample and group: Gram costs T²(I+O) multiply-adds, materialising T·I·O
+        return self.T * (self.I + self.O) < self.I * self.O
+
+    def sq_norms(self) -> dict[str, Tensor]:
+        if self._sq is not None:
+            return self._sq
+        if self._fused is not None or self._kept is not None:
+            self._sq = self._fused_pass()[0]
+        elif self.T == 1:
+            x, g = self.patches(0, self.ctx.batch_size)
+            gsq = g.square().sum(-1)[:, :, 0]  # (B, groups)
+            self._sq = {}
+            if self.weight:  # ‖g xᵀ‖² = ‖g‖²‖x‖²: O(B(I+O))
+                self._sq[self.weight] = (gsq * x.square().sum(-1)[:, :, 0]).sum(1)
+            if self.bias:
+                self._sq[self.bias] = gsq.sum(1)
+        elif self._gram_cheaper():
+            # ‖Σₜ gₜxₜᵀ‖² = Σₜₛ (gₜ·gₛ)(xₜ·xₛ); chunks bounded to about the patches' size
+            step = max(1, min(self.step, self.ctx.chunk_size * (self.I + self.O) // self.T))
+            parts: dict[str, list[Tensor]] = {n: [] for n in (self.weight, self.bias) if n}
+            for lo in range(0, self.ctx.batch_size, step):
+                x, g = self.patches(lo, min(lo + step, self.ctx.batch_size))
+                if self.weight:
+                    gram = (g @ g.transpose(-1, -2)) * (x @ x.transpose(-1, -2))
+                    parts[self.weight].append(gram.sum((1, 2, 3)))
+                if self.bias:
+                    parts[self.bias].append(g.sum(2).square().sum((1, 2)))
+            self._sq = {n: torch.cat(p) for n, p in parts.items()}
+        else:
+            self._sq = self._fused_pass()[0]
+        return self._sq
+
+    def grad_sum(self) -> dict[str, Tensor]:
+        if self._sum is not None:
+            return self._sum
+        if self._fused is not None or self._kept is not None:
+            self._sum = self._fused_pass()[1]
+            return self._sum
+        sums: dict[str, Tensor] = {}
+        for lo in range(0, self.ctx.batch_size, self.step):
+            x, g = self.patches(lo, min(lo + self.step, self.ctx.batch_size))
+            part = {}
+            if self.weight:
+                part[self.weight] = torch.einsum("bgto,bgti->goi", g, x)
+            if self.bias:
+                part[self.bias] = g.sum((0, 2))
+            for n, s in part.items():
+                sums[n] = sums[n] + s if n in sums else s
+        self._sum = {n: s.reshape(self.shapes[n]) for n, s in sums.items()}
+        return self._sum
+
+    def second_moments(self) -> dict[str, Tensor]:
+        if self._m2 is not None:
+            return self._m2
+        if self.T == 1 and self._fused is None and self._kept is None:
+            x, g = self.patches(0, self.ctx.batch_size)
+            g2 = g[:, :, 0].square()
+            self._m2 = {}
+            if self.weight:  # Σᵢ (gᵢxᵢᵀ)² = Σᵢ gᵢ² (xᵢ²)ᵀ: one matmul of squares
+                m2 = torch.einsum("bgo,bgi->goi", g2, x[:, :, 0].square())
+                self._m2[self.weight] = m2.reshape(self.shapes[self.weight])
+            if self.bias:
+                self._m2[self.bias] = g2.sum(0).reshape(self.shapes[self.bias])
+        else:
+            self._m2 = self._fused_pass()[2]
+        return self._m2
+
+    def dots(self, vectors: dict[str, Tensor]) -> dict[str, Tensor]:
+        if self._kept is not None:
+            return super().dots(vectors)
+        vw = vectors.get(self.weight) if self.weight else None
+        vb = vectors.get(self.bias) if self.bias else None
+        parts: dict[str, list[Tensor]] = {}
+        for lo in range(0, self.ctx.batch_size, self.step):
+            x, g = self.patches(lo, min(lo + self.step, self.ctx.batch_size))
+            if vw is not None:  # gᵢ·V = Σₜ gₜᵀ V xₜ: one matmul, no per-sample gradients
+                xv = torch.einsum("bgti,goi->bgto", x, vw.reshape(self.groups, self.O, self.I))
+                parts.setdefault(self.weight, []).append((xv * g).sum((1, 2, 3)))
+            if vb is not None:
+                bias_dot = (g.sum(2) * vb.reshape(self.groups, self.O)).sum((1, 2))
+                parts.setdefault(self.bias, []).append(bias_dot)
+        return {n: torch.cat(p) for n, p in parts.items()}
+
+
+class LinearRule(Rule):
+    """nn.Linear with inputs (B, …, in): sequence dims are summed per sample."""
+
+    def grads(self, calls: list[Call], ctx: Context) -> ModuleGrads:
+        module = self.module
+        dtype = next(iter(self.params.values())).dtype
+        xs, gs = [], []
+        for call in calls:
+            x = first_input(call)
+            if x.dim() < 2:
+                raise Unsupported("its input is 1-D; give it a batch dimension at dim 0")
+            xs.append(x.to(dtype).reshape(x.shape[0], -1, module.in_features))
+            gs.append(self._grad(call, ctx, dtype).reshape(x.shape[0], -1, module.out_features))
+        # (B, 1 group, T, features); concatenating calls along T sums their contributions
+        x_all = (xs[0] if len(xs) == 1 else torch.cat(xs, 1)).unsqueeze(1)
+        g_all = (gs[0] if len(gs) == 1 else torch.cat(gs, 1)).unsqueeze(1)
+        return OuterProductGrads(
+            lambda lo, hi: (x_all[lo:hi], g_all[lo:hi]),
+            (1, x_all.shape[2], module.in_features, module.out_features),
+            weight_and_bias(self.params),
+            {n: p.shape for n, p in self.params.items()},
+            dtype,
+            ctx,
+            step=x_all.shape[0],
+        )
+
+
+def weight_and_bias(params: dict) -> tuple[str | None, str | None]:
+    """('weight' / None, 'bias' / None) by which of the two are trainable."""
+    return ("weight" if "weight" in params else None, "bias" if "bias" in params else None)
