@@ -1,0 +1,29 @@
+"""`deepscope export RUN --tensorboard DIR | --parquet DIR`."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..cli.main import verb
+from ..query.run import Run
+from .parquet import export_parquet
+from .tensorboard import export_tensorboard
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="a run folder, e.g. runs/baseline")
+    p.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard event files here")
+    p.add_argument("--parquet", metavar="DIR", help="write one Parquet file per table here")
+
+
+@verb("export", "export a run to TensorBoard event files or Parquet tables", _args)
+def export(args: argparse.Namespace) -> int:
+    if not (args.tensorboard or args.parquet):
+        raise ValueError("say where to export: --tensorboard DIR and/or --parquet DIR")
+    with Run(args.run) as run:
+        if args.tensorboard:
+            print(f"TensorBoard events in {export_tensorboard(run, args.tensorboard)}")
+        if args.parquet:
+            paths = export_parquet(run, args.parquet)
+            print(f"{len(paths)} Parquet tables in {args.parquet}")
+    return 0

@@ -1,0 +1,63 @@
+"""Export to TensorBoard and Parquet, read back with the formats' own readers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import deepscope
+from deepscope.cli.main import main as cli
+from deepscope.instruments.base import QuantityValue
+from tests.helpers import train_mlp
+
+
+@pytest.fixture
+def run_path(tmp_path):
+    with deepscope.Scope(tmp_path / "p", "r", schedule=2) as scope:
+        train_mlp(scope, steps=4)
+        scope.writer.submit_quantities([
+            QuantityValue("GradNorm", 0, "", 1.5, meta={"estimator": "exact"}),
+            QuantityValue("GradHist1d", 0, "", None, np.array([1, 5, 2, 0], dtype=np.int64),
+                          {"edges": [-2.0, 2.0, 4], "underflow": 3, "overflow": 0, "nan": 1,
+                           "posinf": 0, "neginf": 0})])
+    return tmp_path / "p" / "r"
+
+
+def test_parquet_tables_match_query_api(run_path, tmp_path):
+    assert cli(["export", str(run_path), "--parquet", str(tmp_path / "pq")]) == 0
+    run = deepscope.open_run(run_path)
+    kpis = pd.read_parquet(tmp_path / "pq" / "kpis.parquet")
+    pd.testing.assert_frame_equal(kpis, run.kpis())
+    stats = pd.read_parquet(tmp_path / "pq" / "stats.parquet")
+    assert len(stats) == len(run.stats_wide()) and stats["step"].unique().tolist() == [0, 2]
+    q = pd.read_parquet(tmp_path / "pq" / "quantities.parquet")
+    assert set(q["name"]) == {"GradNorm", "GradHist1d"}
+
+
+def test_tensorboard_events_readable_by_tensorboard(run_path, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    assert cli(["export", str(run_path), "--tensorboard", str(tmp_path / "tb")]) == 0
+    acc = EventAccumulator(str(tmp_path / "tb" / "r"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    loss = [e.value for e in acc.Scalars("kpi/loss")]
+    run = deepscope.open_run(run_path)
+    np.testing.assert_allclose(loss, run.kpis("loss")["value"], rtol=1e-6)
+    assert acc.Scalars("quantity/GradNorm")[0].value == pytest.approx(1.5)
+    assert [e.step for e in acc.Scalars("h1/grad/norm")] == [0, 2]
+    assert "hist/GradHist1d" in tags["histograms"]
+    assert acc.Scalars("hist/GradHist1d/underflow")[0].value == 3
+
+
+def test_export_needs_a_target(run_path, capsys):
+    assert cli(["export", str(run_path)]) == 2
+    assert "--tensorboard DIR" in capsys.readouterr().err
+
+
+def test_nan_kpi_survives(tmp_path):
+    with deepscope.Scope(tmp_path, "n", schedule=None) as scope:
+        with scope.step(0) as rec:
+            rec.kpi("loss", torch.tensor(float("nan")))
+    assert np.isnan(deepscope.open_run(tmp_path / "n").kpis("loss")["value"][0])
