@@ -14,20 +14,21 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks tools
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -ra
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks tools
+	$(BIN)/ruff check .
 
 demo: $(STAMP)
 	$(BIN)/deepscope demo
 
+# Options of benchmarks/run.py (--help) pass through, e.g. make bench BENCH_ARGS="--repeats 5".
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run.py
+	$(BIN)/python benchmarks/run.py $(BENCH_ARGS)
 
 bench-quick: $(STAMP)
-	$(BIN)/python benchmarks/run.py --quick
+	$(BIN)/python benchmarks/run.py --quick $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
