@@ -1,0 +1,61 @@
+"""`benchmarks/run.py --quick` runs end to end and writes well-formed results (no timing is
+asserted: the numbers of a quick run mean nothing)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ROOT / "benchmarks" / "run.py"
+
+
+def load_run_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_run", RUN)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being created
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_benchmark_writes_well_formed_results(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(RUN), "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    bench = load_run_module()
+
+    assert results["version"] == bench.RESULTS_VERSION
+    assert "benchmarks/run.py --quick" in results["command"]
+    assert results["settings"]["quick"] is True
+    assert results["settings"]["torch_threads"] == 1
+    for key in ("cpu", "cores", "torch", "python", "load_average_start", "load_average_end"):
+        assert key in results["machine"]
+    assert [g["name"] for g in results["groups"]] == [g.name for g in bench.GROUPS]
+
+    for group, spec_group in zip(results["groups"], bench.GROUPS):
+        rows = group["rows"]
+        assert [r["spec"] for r in rows] == [e.spec for e in spec_group.entries]
+        assert rows[0]["status"] == "ok", rows[0]  # plain training always runs
+        for row in rows:
+            status = row["status"]
+            assert status == "ok" or status.startswith(("error: ", "skipped: ")), status
+            assert "\n" not in status
+            if status != "ok":
+                continue
+            assert row["ms"] > 0 and row["ratio"] > 0 and row["peak_rss_mb"] > 0
+            assert len(row["repeats"]) == 1
+            assert row["bytes_per_step"] is None or row["bytes_per_step"] > 0
+            for target in row["targets"]:
+                assert target["ok"] in (True, False, None)
+
+    markdown = (tmp_path / "results.md").read_text()
+    assert markdown.startswith("# deepscope benchmarks")
+    assert "| group | configuration | target | measured | met |" in markdown
+    for group in results["groups"]:
+        assert f"## {group['title']}" in markdown
