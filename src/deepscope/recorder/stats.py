@@ -24,17 +24,18 @@ def tensor_stats(x: torch.Tensor, singular_value: bool = False) -> torch.Tensor:
     mean/std/min/max/abs_* /norm are over the finite elements (std is population, ddof=0);
     zero_frac is over all elements; sv_max is NaN unless `singular_value` and x is 2-D.
     """
-    x = x.detach()
-    x64 = x.reshape(-1).to(torch.float64)
+    flat = x.detach().reshape(-1)
+    x64 = flat.to(torch.float64)
     n = x64.numel()
+    total = x64.sum()
     # On the CPU a branch costs nothing, so the common all-finite case takes a lean path; on an
     # accelerator the masked path avoids a host sync per tensor.
-    if n and x64.device.type == "cpu" and bool(torch.isfinite(x64.sum())):
-        values = _finite_stats(x64)
+    if n and x64.device.type == "cpu" and bool(torch.isfinite(total)):
+        values = _finite_stats(flat, x64, total)
     else:
         values = _masked_stats(x64)
     values["numel"] = torch.tensor(float(n), dtype=torch.float64, device=x.device)
-    values["zero_frac"] = (n - torch.count_nonzero(x64)) / max(n, 1)
+    values["zero_frac"] = (n - torch.count_nonzero(flat)) / max(n, 1)
     values["sv_max"] = torch.tensor(float("nan"), dtype=torch.float64, device=x.device)
     if singular_value and x.dim() == 2 and n:
         w = torch.nan_to_num(x64.reshape(x.shape), nan=0.0, posinf=0.0, neginf=0.0)
@@ -42,22 +43,23 @@ def tensor_stats(x: torch.Tensor, singular_value: bool = False) -> torch.Tensor:
     return torch.stack([values[c].to(torch.float64) for c in STAT_COLUMNS])
 
 
-def _finite_stats(x64: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Statistics of a 1-D float64 tensor known to hold only finite values.
+def _finite_stats(flat: torch.Tensor, x64: torch.Tensor,
+                  total: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Statistics of a 1-D tensor known to hold only finite values (`x64` its float64 copy).
 
-    Built from the cheapest reductions (sum, dot, aminmax): Welford-style var_mean and the
-    inf-norm are several times slower on the CPU. The variance is taken around the first
-    element, which keeps E[x²] − E[x]² free of cancellation when |mean| ≫ std.
+    The cheapest reductions on the CPU (sum, dot, aminmax); Welford-style var_mean, the
+    inf-norm and float64-accumulating norms of float32 input are several times slower. The
+    variance E[x²] − E[x]² in float64 loses precision only when |mean| / std exceeds ~1e6.
     """
     n = x64.numel()
-    shifted = x64 - x64[0]
-    s1 = shifted.sum() / n
-    var = (torch.dot(shifted, shifted) / n - s1 * s1).clamp_min(0.0)
-    mn, mx = torch.aminmax(x64)
-    zero = torch.zeros((), dtype=torch.int64, device=x64.device)
-    return {"mean": s1 + x64[0], "std": var.sqrt(), "abs_mean": x64.abs().sum() / n,
-            "min": mn, "max": mx, "abs_max": torch.maximum(-mn, mx),
-            "norm": torch.dot(x64, x64).sqrt(), "nan": zero, "posinf": zero, "neginf": zero}
+    mean = total / n
+    sq = torch.dot(x64, x64)
+    mn, mx = torch.aminmax(flat)
+    zero = torch.zeros((), dtype=torch.int64, device=flat.device)
+    return {"mean": mean, "std": (sq / n - mean * mean).clamp_min(0.0).sqrt(),
+            "abs_mean": x64.abs().sum() / n, "min": mn, "max": mx,
+            "abs_max": torch.maximum(-mn, mx), "norm": sq.sqrt(),
+            "nan": zero, "posinf": zero, "neginf": zero}
 
 
 def _masked_stats(x64: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -89,8 +91,10 @@ def _rows(rows: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
     if rows.device.type == "cpu" and bool(torch.isfinite(rows.sum())):
         r64 = rows.to(torch.float64)
         mean = r64.mean(dim)
-        var = ((r64 * r64).mean(dim) - mean * mean).clamp_min(0.0)
-        return {"mean": mean.float(), "std": var.sqrt().float(), "abs_max": rows.abs().amax(dim)}
+        sq = (r64 * r64).mean(dim)
+        mn, mx = torch.aminmax(rows, dim=dim)
+        return {"mean": mean.float(), "std": (sq - mean * mean).clamp_min(0.0).sqrt().float(),
+                "abs_max": torch.maximum(-mn, mx)}
     finite = torch.isfinite(rows)
     count = finite.sum(dim).clamp_min(1)
     z = torch.where(finite, rows, 0.0)
@@ -169,13 +173,19 @@ def summarise_captures(captures: list[Capture], max_samples: int, max_neurons: i
             pending.append((c.name, c.direction, view, c.iteration, arr))
     host_stats = torch.stack(stats).cpu() if stats else torch.zeros(0, len(STAT_COLUMNS))
     arrays = []
-    if pending:
-        flat = torch.cat([a.reshape(-1) for *_, a in pending]).cpu()
+    # One transfer for full sample values (float32) and one for aggregated views (bfloat16
+    # unless exact), converted in one go.
+    for exact in (True, False):
+        part = [p for p in pending if (p[2] == "samples") == exact]
+        if not part:
+            continue
+        flat = torch.cat([a.reshape(-1) for *_, a in part])
+        if not (exact or exact_views):
+            flat = flat.to(torch.bfloat16)
+        flat = flat.cpu()
         offset = 0
-        for name, direction, view, it, arr in pending:
-            host = flat[offset:offset + arr.numel()].reshape(arr.shape)
-            if view != "samples" and not exact_views:
-                host = host.to(torch.bfloat16)
-            arrays.append((name, direction, view, it, host))
+        for name, direction, view, it, arr in part:
+            arrays.append((name, direction, view, it,
+                           flat[offset:offset + arr.numel()].reshape(arr.shape)))
             offset += arr.numel()
     return keys, host_stats, arrays
