@@ -1,0 +1,31 @@
+"""Pure functions that turn per-sample gradient statistics into Cockpit's quantities.
+
+Conventions shared by every function here:
+- Per-layer inputs come as sequences or stacked tensors with one entry per parameter
+  tensor k (K of them); results are float64 tensors of shape (K + 1,) on the inputs'
+  device: one value per parameter tensor, then the whole-model value LAST.
+- Reductions run in float64, because several quantities subtract nearly equal numbers.
+- A row whose quantity is undefined by its definition (e.g. a zero mean gradient in a
+  denominator) holds NaN or ±Inf; the caller reports it as missing with the reason.
+"""
+
+from .curvature import hess_max_ev, hess_trace, hessian_diagonal, tic_diag, tic_trace
+from .gradient_tests import inner_test, norm_test, ortho_test
+from .norms import layer_norms, with_total
+from .snr import cabs, early_stopping, mean_gsnr
+
+__all__ = [
+    "cabs",
+    "early_stopping",
+    "hess_max_ev",
+    "hess_trace",
+    "hessian_diagonal",
+    "inner_test",
+    "layer_norms",
+    "mean_gsnr",
+    "norm_test",
+    "ortho_test",
+    "tic_diag",
+    "tic_trace",
+    "with_total",
+]

@@ -1,0 +1,100 @@
+"""Curvature quantities (HessTrace, HessMaxEV, TICDiag, TICTrace) on the curvature package.
+
+H is the Hessian of the mean loss L; the caller builds the `HessianOperator` on L (not on
+a summed loss). Values are in loss units per parameter unit squared (TIC: dimensionless
+ratios of second moments to curvature).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..curvature import (
+    Estimate,
+    HessianOperator,
+    exact_diagonal,
+    hutchinson_diagonal,
+    lanczos,
+    layer_traces,
+)
+from .norms import with_total
+
+EXACT_MAX_DIM = 5000  # "auto" takes the exact diagonal (D HVPs) up to this many parameters
+TIC_EPS = 1e-7
+
+
+def hessian_diagonal(
+    op: HessianOperator, mode: str, samples: int, seed: int, exact_max_dim: int = EXACT_MAX_DIM
+) -> Estimate:
+    """diag(H), flat (D,), exactly or by Hutchinson's estimator.
+
+    Args:
+        op: the Hessian operator of the mean loss.
+        mode: "exact" (D HVPs), "hutchinson" (`samples` HVPs), or "auto" (exact when
+            D <= exact_max_dim, else Hutchinson).
+        samples: Rademacher probes for Hutchinson.
+        seed: probe seed.
+
+    Returns:
+        Estimate whose value is a detached (D,) tensor; estimator and samples say how.
+    """
+    if mode == "exact" or (mode == "auto" and op.dim <= exact_max_dim):
+        return exact_diagonal(op, max_dim=op.dim)
+    return hutchinson_diagonal(op, samples=samples, seed=seed)
+
+
+def hess_trace(op: HessianOperator, diagonal: Tensor) -> Tensor:
+    """Σₐ Hₐₐ per parameter tensor, then in total; float64 (K + 1,) on the diagonal's device."""
+    traces = torch.tensor(layer_traces(op, diagonal), dtype=torch.float64)
+    return with_total(traces.to(diagonal.device))
+
+
+def hess_max_ev(op: HessianOperator, num_iter: int, seed: int) -> tuple[float, dict[str, Any]]:
+    """The largest algebraic eigenvalue of H by Lanczos, and meta for storage.
+
+    Returns:
+        (value, meta) with meta {"max_magnitude", "min_algebraic", "estimator", "samples"};
+        samples = HVPs spent.
+    """
+    result = lanczos(op, num_iter=num_iter, seed=seed)
+    top = result["max_algebraic"]
+    meta = {
+        "max_magnitude": result["max_magnitude"].value,
+        "min_algebraic": result["min_algebraic"].value,
+        "estimator": top.estimator,
+        "samples": top.samples,
+    }
+    return float(top.value), meta
+
+
+def tic_diag(
+    second_moments: Sequence[Tensor], diagonals: Sequence[Tensor], eps: float = TIC_EPS
+) -> Tensor:
+    """Σₐ Mₐ / (Hₐₐ + ε) per parameter tensor, then in total; float64 (K + 1,).
+
+    Args:
+        second_moments: Mₐ = (1/B) Σᵢ gᵢ,ₐ² per parameter tensor.
+        diagonals: the matching segments of diag(H) (same element counts).
+        eps: ε (Cockpit: 1e-7).
+    """
+    terms = [
+        (m.double().reshape(-1) / (h.to(m.device, torch.float64).reshape(-1) + eps)).sum()
+        for m, h in zip(second_moments, diagonals)
+    ]
+    return with_total(torch.stack(terms))
+
+
+def tic_trace(second_moments: Sequence[Tensor], traces: Tensor, eps: float = TIC_EPS) -> Tensor:
+    """Σₐ Mₐ / (Σₐ Hₐₐ + ε) per parameter tensor, then in total; float64 (K + 1,).
+
+    Args:
+        second_moments: Mₐ per parameter tensor.
+        traces: (K + 1,) Hessian traces per tensor and in total (as `hess_trace` returns).
+        eps: ε (Cockpit: 1e-7).
+    """
+    sums = torch.stack([m.double().sum() for m in second_moments])
+    return with_total(sums) / (traces.to(sums.device) + eps)

@@ -1,0 +1,654 @@
+"""The instrument suite the recorder drives: which quantities are due at a step, the hooks
+they need, and computing them into `QuantityValue`s.
+
+Call order per instrumented step (the recorder does this; a hand-written loop may too):
+
+    if inst.wants(step, kind):
+        inst.start(step, kind)                  # before the forward
+        losses = loss_fn(model(x), y, reduction="none")
+        inst.loss(losses.mean(), per_sample=losses)   # before backward
+        opt.zero_grad(); losses.mean().backward(); opt.step()
+        values = inst.finish()                  # after the optimiser step
+
+Every quantity is reported for the whole model (layer "") and, where meaningful, per
+parameter tensor (layer = its dotted name). A quantity that cannot be computed at a step
+is reported with value None and meta["reason"]; finish() never raises.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from functools import cached_property, reduce
+from operator import add
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..hookstate import paused
+from .alpha import AlphaStart, fit_alpha, line_point
+from .base import TOTAL, QuantityValue
+from .config import (
+    NEEDS_DIAGONAL,
+    NEEDS_ENGINE,
+    NEEDS_HESSIAN,
+    NEEDS_PER_SAMPLE,
+    NEEDS_SNAPSHOT,
+    check_curvature_mode,
+    resolve_quantities,
+)
+from .curvature import HessianOperator
+from .engine import PerSampleEngine
+from .histograms import Bins, Histogram, finite_abs_max, histogram_1d, histogram_2d, symmetric_bins
+from .quantities import (
+    cabs,
+    early_stopping,
+    hess_max_ev,
+    hess_trace,
+    hessian_diagonal,
+    inner_test,
+    layer_norms,
+    mean_gsnr,
+    norm_test,
+    ortho_test,
+    tic_diag,
+    tic_trace,
+    with_total,
+)
+from .quantities.norms import squared_norms
+
+Schedule = Callable[[int, str], bool]
+
+# Few Hessian-vector products by default (each costs about two training steps); raise them
+# for more accurate curvature. Hutchinson's diagonal is very noisy with 2 probes.
+HUTCHINSON_SAMPLES = 2
+LANCZOS_ITER = 10
+NO_LOSS = "loss() was not called in this step; call rec.loss(loss, per_sample=losses)"
+# An update this close to −ḡ in direction (1 + cosine) is a plain SGD step, and α projects
+# on −ḡ/‖ḡ‖ (as Cockpit does): storing θ in float32 rounds the realised update, typically to
+# 1 + cosine ~ 1e-6, a direction error of ~1e-3 that is round-off, not optimiser behaviour.
+SGD_COSINE_TOLERANCE = 1e-5
+HIST2D_BINS = (40, 50)
+HIST2D_RANGE = ((-1.0, 1.0), (-2.0, 2.0))
+
+
+def _every_step(step: int, kind: str) -> bool:
+    return True
+
+
+def _check_schedule(schedule: object, what: str) -> Schedule:
+    if not callable(schedule):
+        raise TypeError(
+            f"{what} must be a callable (step, kind) -> bool, got {type(schedule).__name__}"
+        )
+    return schedule  # type: ignore[return-value]
+
+
+def _describe(error: BaseException) -> str:
+    """'ErrorType: first line of the message', naming the first public error class."""
+    kind = next(c.__name__ for c in type(error).__mro__ if not c.__name__.startswith("_"))
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{kind}: {text}" if text else kind
+
+
+class _Batch:
+    """Per-step statistics from the engine, each computed once and shared.
+
+    Per-layer results are float64 with one row per parameter tensor, in `names` order.
+    """
+
+    def __init__(self, engine: PerSampleEngine, losses: Tensor) -> None:
+        self.engine = engine
+        self.size = engine.batch_size
+        if self.size != losses.shape[0]:
+            raise ValueError(
+                f"the model saw a batch of {self.size} samples but per_sample has "
+                f"{losses.shape[0]}; pass the per-sample losses of this batch"
+            )
+
+    @cached_property
+    def grad_mean(self) -> list[Tensor]:
+        """ḡ⁽ᵏ⁾, parameter-shaped."""
+        return list(self.engine.grad_mean().values())
+
+    @cached_property
+    def grad_sq_norms(self) -> Tensor:
+        """(K,) ‖ḡ⁽ᵏ⁾‖²."""
+        return squared_norms(self.grad_mean)
+
+    @cached_property
+    def sq_norm_sums(self) -> Tensor:
+        """(K,) Σᵢ ‖gᵢ⁽ᵏ⁾‖²."""
+        return torch.stack([v.double().sum() for v in self.engine.sq_norms().values()])
+
+    @cached_property
+    def dots_with_mean(self) -> Tensor:
+        """(K, B) gᵢ⁽ᵏ⁾ᵀḡ⁽ᵏ⁾."""
+        names = self.engine.param_names
+        dots = self.engine.dots(dict(zip(names, self.grad_mean)))
+        return torch.stack([dots[n].double() for n in names])
+
+    @cached_property
+    def second_moment_sums(self) -> list[Tensor]:
+        """Σᵢ (gᵢ⁽ᵏ⁾)², parameter-shaped."""
+        return list(self.engine.second_moments().values())
+
+    def projections(self, update: dict[str, Tensor], tau: float) -> Tensor:
+        """(B,) gᵢᵀd̂ over the whole model along d̂ = d/τ, d given per parameter tensor.
+
+        When the gradient tests already took gᵢᵀḡ at this step and d̂ is −ḡ/‖ḡ‖ up to
+        round-off (a plain SGD step), −gᵢᵀḡ/‖ḡ‖ is used: one pass over the captures saved.
+        """
+        if "dots_with_mean" in vars(self):  # cached_property: computed already
+            norm = float(self.grad_sq_norms.sum().sqrt())
+            inner = sum(float(torch.vdot(d.reshape(-1), g.reshape(-1).to(d)))
+                        for d, g in zip(update.values(), self.grad_mean))
+            if norm > 0 and inner / (tau * norm) < -1 + SGD_COSINE_TOLERANCE:
+                return -self.dots_with_mean.sum(0) / norm
+        dots = self.engine.dots(update)
+        return torch.stack([v.double() for v in dots.values()]).sum(0) / tau
+
+    def unavailable(self) -> dict[str, str]:
+        """Parameter name -> why its per-sample gradients could not be obtained."""
+        return dict(self.engine.unavailable)
+
+
+class Instruments:
+    """Cockpit's quantities (and more) for one model, computed on scheduled steps.
+
+    Args:
+        model: the network; its trainable parameters are instrumented.
+        quantities: "economy" | "business" | "full" | a list of quantity names.
+        schedule: (step, kind) -> bool, when to compute; None: every step.
+        optimizer: the optimiser (CABS reads the learning rate of its first group).
+        schedules: per-quantity schedules overriding `schedule`, by quantity name.
+        hist_bins, hist_range: GradHist1d bins on (lo, hi), or hist_range="adaptive" for a
+            symmetric range from each step's largest finite |gᵢ,ₐ| (costs a second pass).
+        seed: base seed of the curvature estimators (step t uses seed + t).
+        curvature: Hessian diagonal for HessTrace / TIC: "auto" (exact when the model has
+            at most 5000 parameters, else Hutchinson), "exact" or "hutchinson".
+        hutchinson_samples: Rademacher probes (HVPs) per step for a Hutchinson diagonal.
+        lanczos_iter: Lanczos iterations (HVPs) per step for HessMaxEV.
+        hist2d_per_layer: also store GradHist2d per parameter tensor (40×50 counts each).
+
+    Raises:
+        TypeError / ValueError: for bad arguments, in one line naming the fix; an unknown
+        quantity name lists the valid ones.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        quantities: str | Sequence[str],
+        schedule: Schedule | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        schedules: dict[str, Schedule] | None = None,
+        hist_bins: int = 100,
+        hist_range: tuple[float, float] | str = (-2.0, 2.0),
+        seed: int = 0,
+        curvature: str = "auto",
+        *,
+        hutchinson_samples: int = HUTCHINSON_SAMPLES,
+        lanczos_iter: int = LANCZOS_ITER,
+        hist2d_per_layer: bool = False,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.quantities = resolve_quantities(quantities)
+        self.schedule = _every_step if schedule is None else _check_schedule(schedule, "schedule")
+        self.schedules: dict[str, Schedule] = {}
+        for name, sched in (schedules or {}).items():
+            if name not in self.quantities:
+                raise ValueError(
+                    f"schedules has {name!r}, which is not among the chosen quantities "
+                    f"({', '.join(self.quantities)})"
+                )
+            self.schedules[name] = _check_schedule(sched, f"schedules[{name!r}]")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        self.optimizer = optimizer
+        if hist_range == "adaptive":
+            self._hist_bins: Bins | None = None
+            Bins(hist_bins, -1.0, 1.0)  # validates the bin count now
+        elif isinstance(hist_range, (tuple, list)) and len(hist_range) == 2:
+            self._hist_bins = Bins(hist_bins, float(hist_range[0]), float(hist_range[1]))
+        else:
+            raise ValueError(f"hist_range must be (lo, hi) or 'adaptive', got {hist_range!r}")
+        self.hist_bins = hist_bins
+        self._hist2d = tuple(Bins(n, *r) for n, r in zip(HIST2D_BINS, HIST2D_RANGE))
+        self.hist2d_per_layer = bool(hist2d_per_layer)
+        for label, value, least in (("seed", seed, 0), ("lanczos_iter", lanczos_iter, 1),
+                                    ("hutchinson_samples", hutchinson_samples, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{label} must be an int >= {least}, got {value!r}")
+        self.seed = seed
+        self.curvature = check_curvature_mode(curvature)
+        self.hutchinson_samples = hutchinson_samples
+        self.lanczos_iter = lanczos_iter
+
+        self.model = model
+        self._params: dict[str, Tensor] = {
+            n: p for n, p in model.named_parameters() if p.requires_grad
+        }
+        if not self._params:
+            raise ValueError("the model has no trainable parameters (requires_grad=True)")
+        self._names = list(self._params)
+        self._engine = PerSampleEngine(model) if set(self.quantities) & NEEDS_ENGINE else None
+        self._warnings: list[str] = []
+        self._theta0: list[Tensor] | None = None
+        self._pending: AlphaStart | None = None  # α start point waiting for the next step
+        self._deferred: list[QuantityValue] = []  # values known before their finish()
+        self._reset()
+
+    # -- state ----------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._step: int | None = None
+        self._due: frozenset[str] = frozenset()
+        self._alpha_end: AlphaStart | None = None
+        self._engine_on = False
+        self._theta: list[Tensor] | None = None
+        self._distance: Tensor | None = None
+        self._loss: Tensor | None = None  # L, float64 scalar
+        self._losses: Tensor | None = None  # ℓᵢ, (B,)
+        self._reduction = "unknown"
+        self._curvature: dict[str, Any] = {}
+        self._failed: dict[str, str] = {}  # quantity -> reason, from start() / loss()
+        self._hist_results: dict[str, tuple[dict[str, Histogram], dict]] | None = None
+
+    @property
+    def warnings(self) -> list[str]:
+        """One-line messages about things the user may want to change (each once)."""
+        engine = self._engine.warnings if self._engine is not None else []
+        return [*self._warnings, *engine]
+
+    def _due_at(self, step: int, kind: str) -> frozenset[str]:
+        return frozenset(
+            q for q in self.quantities if self.schedules.get(q, self.schedule)(step, kind)
+        )
+
+    # -- the recorder's calls --------------------------------------------------------------
+    def wants(self, step: int, kind: str) -> bool:
+        """Whether step `step` of kind `kind` must be instrumented (hooks on): some
+        quantity is due, or the previous step's α waits for its end point."""
+        return self._pending is not None or bool(self._due_at(step, kind))
+
+    def start(self, step: int, kind: str) -> None:
+        """Begin step `step` before the user's forward: snapshot θₜ and turn hooks on."""
+        if self._step is not None:
+            self._warnings.append(
+                f"start({step}) came before finish() of step {self._step}; that step was dropped"
+            )
+            self.abort()
+        self._due = self._due_at(step, kind)
+        self._step = step
+        self._alpha_end, self._pending = self._pending, None
+        params = list(self._params.values())
+        with torch.no_grad():
+            if self._theta0 is None and "Distance" in self.quantities:
+                self._theta0 = [p.detach().clone() for p in params]
+            if self._due & NEEDS_SNAPSHOT:
+                self._theta = [p.detach().clone() for p in params]
+            if "Distance" in self._due:
+                self._distance = layer_norms([p - p0 for p, p0 in zip(params, self._theta0)])
+        if self._engine is not None and (self._due & NEEDS_ENGINE or self._alpha_end):
+            self._engine.start()
+            self._engine_on = True
+
+    def loss(self, loss: Tensor, per_sample: Tensor | None) -> None:
+        """Take the loss after the forward, before the user's backward; run curvature.
+
+        Args:
+            loss: the scalar that will be backpropagated: the mean or the sum of per_sample
+                (inferred), so that gᵢ and the Hessian of the mean loss follow.
+            per_sample: the (B,) per-sample losses (trailing dims, e.g. tokens, are reduced
+                the same way), or None when no chosen quantity needs them.
+
+        Raises:
+            RuntimeError: outside start() / finish().
+            TypeError / ValueError: bad input, in one line (e.g. a missing per_sample=).
+        """
+        if self._step is None:
+            raise RuntimeError("loss() called outside a step; call start(step, kind) first")
+        if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            raise TypeError("loss must be a scalar floating-point tensor (the reduced loss)")
+        needs = self._due & NEEDS_PER_SAMPLE | ({"Alpha"} if self._alpha_end else set())
+        if per_sample is None:
+            if needs:
+                raise ValueError(
+                    f"{', '.join(sorted(needs))} need the per-sample losses: pass per_sample= "
+                    "(reduction='none'), e.g. rec.loss(losses.mean(), per_sample=losses)"
+                )
+            self._loss = loss.detach().double().reshape(())
+            return
+        if not isinstance(per_sample, Tensor) or per_sample.dim() < 1 or per_sample.numel() == 0:
+            raise TypeError("per_sample must be a non-empty tensor of per-sample losses (B,)")
+        self._losses, scale = self._reduce(loss, per_sample)
+        self._loss = self._losses.mean()
+        self._reduction = "sum" if scale == 1 and self._losses.shape[0] > 1 else "mean"
+        if self._engine_on:
+            self._engine.set_scale(scale)
+        if self._due & NEEDS_HESSIAN:
+            # H of the mean loss L = loss · scale / B, whatever the user's reduction
+            batch = self._losses.shape[0]
+            self._run_curvature(loss if scale == batch else loss * (scale / batch))
+
+    def finish(self) -> list[QuantityValue]:
+        """Compute every due quantity after the user's backward and optimiser step.
+
+        Returns the values of this step, α of the previous step (under its step), and
+        anything deferred (e.g. an α whose end step never came). Never raises.
+        """
+        values, self._deferred = self._deferred, []
+        if self._step is None:
+            return values
+        try:
+            if self._engine_on:
+                self._engine.stop()
+            values.extend(self._compute())
+        except Exception as error:  # recording must never break training
+            reason = _describe(error)
+            values.extend(QuantityValue(q, self._step, meta={"reason": reason})
+                          for q in sorted(self._due))
+        finally:
+            if self._engine_on:
+                self._engine.clear()
+            self._reset()
+        return values
+
+    def abort(self) -> None:
+        """The user's step raised: drop its captures and hooks (its α start is lost too)."""
+        if self._alpha_end is not None:
+            self._deferred.append(self._missing(
+                "Alpha", self._alpha_end.step, "the next step, α's end point, failed"))
+        if self._engine_on:
+            self._engine.stop()
+            self._engine.clear()
+        self._reset()
+
+    def close(self) -> None:
+        """Drop everything (an α still waiting for its end point is not reported)."""
+        self.abort()
+        self._pending = None
+        self._deferred = []
+        self._theta0 = None
+
+    # -- helpers ---------------------------------------------------------------------------
+    @staticmethod
+    def _reduce(loss: Tensor, per_sample: Tensor) -> tuple[Tensor, float]:
+        """(ℓᵢ (B,) float64, engine scale) from the loss and its per-sample parts.
+
+        loss ≈ mean → ℓᵢ = the mean of sample i's parts, scale B; ≈ sum → sums, scale 1.
+        A non-finite loss cannot tell: it is taken as a mean (its quantities are NaN anyway).
+        """
+        flat = per_sample.detach().reshape(per_sample.shape[0], -1).double()
+        value, mean, total = torch.stack(
+            [loss.detach().double().reshape(()), flat.mean(), flat.sum()]
+        ).tolist()
+        rtol = max(1e-4, 10 * torch.finfo(loss.dtype).eps)
+        if not math.isfinite(value) or abs(value - mean) <= rtol * max(abs(value), abs(mean)):
+            return flat.mean(1), float(flat.shape[0])
+        if abs(value - total) <= rtol * max(abs(value), abs(total)):
+            return flat.sum(1), 1.0
+        raise ValueError(
+            f"loss ({value:.6g}) is neither the mean ({mean:.6g}) nor the sum ({total:.6g}) of "
+            "per_sample; pass loss = per_sample.mean() or per_sample.sum()"
+        )
+
+    def _run_curvature(self, mean_loss: Tensor) -> None:
+        due = self._due & NEEDS_HESSIAN
+        seed = (self.seed + self._step) % 2**31  # fresh probes each step, reproducibly
+        params = list(self._params.values())
+        try:
+            # paused: every deepscope hook (engine, recorder, monitor) ignores these passes
+            with paused(), HessianOperator(mean_loss, params) as op:
+                if due & NEEDS_DIAGONAL:
+                    try:
+                        diagonal = hessian_diagonal(op, self.curvature, self.hutchinson_samples,
+                                                    seed)
+                        self._curvature["diagonal"] = op.split(diagonal.value)
+                        self._curvature["traces"] = hess_trace(op, diagonal.value)
+                        self._curvature["diagonal_meta"] = {
+                            "estimator": diagonal.estimator, "samples": diagonal.samples}
+                    except Exception as error:
+                        self._failed.update(dict.fromkeys(due & NEEDS_DIAGONAL, _describe(error)))
+                if "HessMaxEV" in due:
+                    try:
+                        self._curvature["max_ev"] = hess_max_ev(op, self.lanczos_iter, seed)
+                    except Exception as error:
+                        self._failed["HessMaxEV"] = _describe(error)
+        except Exception as error:  # e.g. the operator cannot be built
+            self._failed.update(dict.fromkeys(due, _describe(error)))
+
+    def _missing(self, name: str, step: int, reason: str, layer: str = TOTAL) -> QuantityValue:
+        return QuantityValue(name, step, layer, meta={"reason": reason})
+
+    def _rows(
+        self,
+        name: str,
+        values: Tensor,
+        meta: dict[str, Any] | None = None,
+        undefined: Tensor | None = None,
+        reason: str = "",
+        unavailable: dict[str, str] | None = None,
+    ) -> list[QuantityValue]:
+        """QuantityValues of a (K + 1,) per-layer-then-total result, total first.
+
+        undefined: (K + 1,) bool, rows undefined by definition (value None, `reason`).
+        unavailable: parameter -> reason its per-sample gradients are missing (its row and
+        the total are reported missing).
+        """
+        host = values.tolist()
+        bad = undefined.tolist() if undefined is not None else [False] * len(host)
+        unavailable = unavailable or {}
+        layers = [*self._names, TOTAL]
+        out = []
+        for layer, value, is_bad in zip(layers, host, bad):
+            if layer in unavailable:
+                why = f"per-sample gradients unavailable: {unavailable[layer]}"
+            elif layer == TOTAL and unavailable:
+                why = f"per-sample gradients unavailable for {', '.join(sorted(unavailable))}"
+            elif is_bad:
+                why = reason
+            else:
+                out.append(QuantityValue(name, self._step, layer, value=value,
+                                         meta=dict(meta or {})))
+                continue
+            out.append(self._missing(name, self._step, why, layer))
+        return out[-1:] + out[:-1]
+
+    # -- computing --------------------------------------------------------------------------
+    def _compute(self) -> list[QuantityValue]:
+        due, step = self._due, self._step
+        out: list[QuantityValue] = []
+        update: list[Tensor] | None = None
+        if self._theta is not None:
+            with torch.no_grad():
+                update = [p.detach() - t for p, t in zip(self._params.values(), self._theta)]
+
+        batch: _Batch | None = None
+        batch_error = NO_LOSS
+        if self._engine_on and self._losses is not None:
+            try:
+                batch = _Batch(self._engine, self._losses)
+            except Exception as error:
+                batch_error = _describe(error)
+
+        def attempt(name: str, compute: Callable[[], list[QuantityValue]]) -> None:
+            if self._loss is None and name not in ("Distance", "UpdateSize"):
+                out.append(self._missing(name, step, NO_LOSS))
+                return
+            if name in self._failed:
+                out.append(self._missing(name, step, self._failed[name]))
+                return
+            if name in NEEDS_ENGINE and batch is None:
+                out.append(self._missing(name, step, batch_error))
+                return
+            try:
+                out.extend(compute())
+            except Exception as error:  # one failing spares the rest
+                out.append(self._missing(name, step, _describe(error)))
+
+        if self._alpha_end is not None:
+            start = self._alpha_end
+            if batch is None:
+                out.append(self._missing("Alpha", start.step, batch_error))
+            else:
+                try:
+                    out.append(self._alpha_value(start, batch))
+                except Exception as error:
+                    out.append(self._missing("Alpha", start.step, _describe(error)))
+
+        for name in self.quantities:
+            if name in due:
+                attempt(name, lambda name=name: self._quantity(name, batch, update))
+        return out
+
+    def _quantity(
+        self, name: str, batch: _Batch | None, update: list[Tensor] | None
+    ) -> list[QuantityValue]:
+        """The values of one due quantity at the current step."""
+        if name == "Loss":
+            return [QuantityValue("Loss", self._step, value=float(self._loss),
+                                  meta={"reduction": self._reduction})]
+        if name == "Distance":
+            return self._rows(name, self._distance)
+        if name == "UpdateSize":
+            return self._rows(name, layer_norms(update))
+        if name in ("HessTrace", "HessMaxEV"):
+            return self._curvature_values(name)
+        if name == "Alpha":
+            return self._alpha_start(batch, update)
+        if name in ("GradHist1d", "GradHist2d"):
+            return self._histograms(name, batch)
+        return self._gradient_values(name, batch)
+
+    def _gradient_values(self, name: str, batch: _Batch) -> list[QuantityValue]:
+        """Quantities from per-sample gradient statistics, per layer and in total."""
+        B = batch.size
+        if name in ("NormTest", "InnerTest", "OrthoTest", "CABS", "EarlyStopping") and B < 2:
+            raise ValueError(f"{name} needs a batch of at least 2 samples, got {B}")
+        meta: dict[str, Any] = {}
+        undefined, reason = None, ""
+        if name in ("NormTest", "InnerTest", "OrthoTest", "CABS"):
+            N = with_total(batch.grad_sq_norms)
+            undefined, reason = N == 0, "the mean gradient ḡ is exactly zero"
+        if name == "GradNorm":
+            value = with_total(batch.grad_sq_norms).sqrt()
+        elif name == "NormTest":
+            value = norm_test(with_total(batch.sq_norm_sums), N, B)
+        elif name == "InnerTest":
+            value = inner_test(with_total(batch.dots_with_mean), N, B)
+        elif name == "OrthoTest":
+            value = ortho_test(with_total(batch.sq_norm_sums), with_total(batch.dots_with_mean),
+                               N, B)
+        elif name == "MeanGSNR":
+            value = mean_gsnr(batch.grad_mean, batch.second_moment_sums, B)
+        elif name == "EarlyStopping":
+            value = early_stopping(batch.grad_mean, batch.second_moment_sums, B)
+        elif name == "CABS":
+            value, meta = self._cabs(with_total(batch.sq_norm_sums), N, B)
+            if self._loss == 0:
+                undefined, reason = torch.ones_like(N, dtype=torch.bool), "the loss is zero"
+        else:  # TICDiag, TICTrace
+            if "diagonal" not in self._curvature:
+                raise RuntimeError("the Hessian diagonal was not computed at this step")
+            moments = [m / B for m in batch.second_moment_sums]
+            meta = self._curvature["diagonal_meta"]
+            value = (tic_diag(moments, self._curvature["diagonal"]) if name == "TICDiag"
+                     else tic_trace(moments, self._curvature["traces"]))
+        # read after computing: the engine finds parameters without per-sample gradients then
+        return self._rows(name, value, meta, undefined, reason, batch.unavailable())
+
+    def _cabs(self, S: Tensor, N: Tensor, B: int) -> tuple[Tensor, dict[str, Any]]:
+        """CABS rows and meta; the learning rate comes from the optimiser's first group."""
+        if self.optimizer is None:
+            raise ValueError("CABS needs the learning rate: pass optimizer= to the instruments")
+        group = self.optimizer.param_groups[0]
+        lr = float(group["lr"])
+        meta: dict[str, Any] = {"optimizer": type(self.optimizer).__name__, "lr": lr}
+        if not (isinstance(self.optimizer, torch.optim.SGD) and not group.get("momentum")):
+            meta["note"] = "CABS assumes plain SGD; value uses lr only"
+        return cabs(S, N, B, float(self._loss), lr), meta
+
+    def _curvature_values(self, name: str) -> list[QuantityValue]:
+        if name == "HessMaxEV":
+            value, meta = self._curvature["max_ev"]
+            return [QuantityValue(name, self._step, value=value, meta=meta)]
+        return self._rows(name, self._curvature["traces"], self._curvature["diagonal_meta"])
+
+    # -- α ---------------------------------------------------------------------------------
+    def _alpha_start(self, batch: _Batch, update: list[Tensor]) -> list[QuantityValue]:
+        """Measure α's start point; α itself comes at the next step (or now if τ = 0)."""
+        tau = float(layer_norms(update)[-1])
+        if tau == 0:
+            return [QuantityValue("Alpha", self._step, value=-1.0, meta={"tau": 0.0})]
+        named = dict(zip(self._names, update))
+        point = line_point(self._losses, batch.projections(named, tau))
+        self._pending = AlphaStart(self._step, point, named, tau)
+        return []
+
+    def _alpha_value(self, start: AlphaStart, batch: _Batch) -> QuantityValue:
+        """α of step start.step from its start point and this step's end point."""
+        end = line_point(self._losses, batch.projections(start.update, start.tau))
+        fit = fit_alpha(start.point, end, start.tau)
+        meta: dict[str, Any] = {
+            "tau": start.tau, "end_step": self._step,
+            "f": [start.point.f, end.f], "df": [start.point.df, end.df],
+            "var_f": [start.point.var_f, end.var_f], "var_df": [start.point.var_df, end.var_df],
+        }
+        if fit.mu is not None:
+            meta["mu"] = list(fit.mu)
+        if fit.reason is not None:
+            meta["reason"] = fit.reason
+        return QuantityValue("Alpha", start.step, value=fit.alpha, meta=meta)
+
+    # -- histograms --------------------------------------------------------------------------
+    def _histogram_pass(self, batch: _Batch) -> dict[str, tuple[dict[str, Histogram], dict]]:
+        """GradHist1d and GradHist2d (those due) per parameter tensor, from one pass over
+        the per-sample gradients, one tensor at a time: name -> (per layer, meta)."""
+        due = {"GradHist1d", "GradHist2d"} & self._due
+        meta: dict[str, dict[str, Any]] = {name: {} for name in due}
+        bins = self._hist_bins
+        # batch.unavailable() is complete once the engine yielded its first tensor
+        if "GradHist1d" in due and bins is None:  # adaptive: a first pass for the range
+            bound = max((finite_abs_max(g) for n, g in batch.engine.per_sample_grads()
+                         if n not in batch.unavailable()), default=0.0)
+            bins = symmetric_bins(self.hist_bins, bound)
+            meta["GradHist1d"]["range"] = "adaptive"
+        theta = dict(zip(self._names, self._theta or []))
+        per_layer: dict[str, dict[str, Histogram]] = {name: {} for name in due}
+        for pname, grads in batch.engine.per_sample_grads():
+            if pname in batch.unavailable():
+                continue
+            if "GradHist1d" in due:
+                per_layer["GradHist1d"][pname] = histogram_1d(grads, bins)
+            if "GradHist2d" in due:
+                per_layer["GradHist2d"][pname] = histogram_2d(theta[pname], grads, *self._hist2d)
+        if batch.unavailable():
+            for extra in meta.values():
+                extra["excluded"] = sorted(batch.unavailable())
+        return {name: (per_layer[name], meta[name]) for name in due}
+
+    def _histograms(self, name: str, batch: _Batch) -> list[QuantityValue]:
+        """GradHist1d / GradHist2d values: total, and per layer (2-D: if hist2d_per_layer)."""
+        if self._hist_results is None:
+            self._hist_results = self._histogram_pass(batch)
+        per_layer, meta = self._hist_results[name]
+        if not per_layer:
+            raise ValueError("no parameter has per-sample gradients at this step")
+        total = reduce(add, per_layer.values())
+        out = [self._histogram_value(name, TOTAL, total, meta)]
+        if name == "GradHist1d" or self.hist2d_per_layer:
+            out += [self._histogram_value(name, n, h, meta) for n, h in per_layer.items()]
+            out += [self._missing(name, self._step, f"per-sample gradients unavailable: {why}", n)
+                    for n, why in batch.unavailable().items()]
+        return out
+
+    def _histogram_value(
+        self, name: str, layer: str, hist: Histogram, meta: dict[str, Any]
+    ) -> QuantityValue:
+        return QuantityValue(name, self._step, layer, array=hist.counts,
+                             meta={**hist.meta(), **meta})
