@@ -25,6 +25,7 @@ from .step import StepRecorder
 
 log = logging.getLogger("deepscope")
 _open_scopes: weakref.WeakSet = weakref.WeakSet()
+KPI_FLUSH_SECONDS = 1.0  # unrecorded steps' KPIs are committed at least this often
 
 
 class Scope:
@@ -87,6 +88,8 @@ class Scope:
         self._on_anomaly = on_anomaly
         self._record_next = record_next
         self._force_record = 0
+        self._kpi_rows: list[tuple[str, int, str, Any]] = []
+        self._kpi_sent = time.monotonic()
         self._params: dict[str, torch.Tensor] = {}
         self._param_nodes: dict[str, tuple[str, str]] = {}
         self._module_hooks: list[Any] = []
@@ -223,7 +226,9 @@ class Scope:
                 self._guard(self.instruments.abort)
             return
         # The kind may have been decided during the step (dynamic recording).
-        self.writer.submit_kpis([(n, rec.step, rec.kind, v) for n, v in rec._kpis])
+        self._kpi_rows.extend((n, rec.step, rec.kind, v) for n, v in rec._kpis)
+        if rec.recording or time.monotonic() - self._kpi_sent > KPI_FLUSH_SECONDS:
+            self._send_kpis()
         self._check_health(rec.step)
         quantities = []
         if rec._instrumented:
@@ -293,8 +298,16 @@ class Scope:
             return _FAILED
 
     # --- end ------------------------------------------------------------------------------
+    def _send_kpis(self) -> None:
+        """KPIs go to the writer in batches: one commit per second instead of one per step."""
+        if self._kpi_rows:
+            self.writer.submit_kpis(self._kpi_rows)
+            self._kpi_rows = []
+        self._kpi_sent = time.monotonic()
+
     def flush(self) -> None:
         """Block until every step so far is committed to disk."""
+        self._send_kpis()
         self.writer.flush()
 
     def close(self) -> None:
@@ -305,6 +318,7 @@ class Scope:
         for h in self._module_hooks:
             h.remove()
         self._module_hooks.clear()
+        self._send_kpis()
         for part in (self.instruments, self.monitor):
             if part is not None:
                 self._guard(part.close)

@@ -92,9 +92,9 @@ def _rows(rows: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
         r64 = rows.to(torch.float64)
         mean = r64.mean(dim)
         sq = (r64 * r64).mean(dim)
-        mn, mx = torch.aminmax(rows, dim=dim)
+        # abs().amax is ~10x faster than aminmax along a dim on the CPU
         return {"mean": mean.float(), "std": (sq - mean * mean).clamp_min(0.0).sqrt().float(),
-                "abs_max": torch.maximum(-mn, mx)}
+                "abs_max": rows.abs().amax(dim)}
     finite = torch.isfinite(rows)
     count = finite.sum(dim).clamp_min(1)
     z = torch.where(finite, rows, 0.0)
