@@ -16,6 +16,9 @@ from ..store.schema import STAT_COLUMNS
 DEFAULT_MAX_NEURONS = 4096   # per-neuron views keep the first this-many neurons
 DEFAULT_MAX_ITEMS = 4096     # per-sample statistics keep the first this-many batch items
 DEFAULT_MAX_VALUES = 65536   # full values of one stored sample are cut to this many elements
+# Tensors up to this many elements are summarised together in one batch of segmented
+# reductions: for them the fixed cost of ~20 separate small ops dominates.
+BATCHED_NUMEL = 4096
 
 
 def tensor_stats(x: torch.Tensor, singular_value: bool = False) -> torch.Tensor:
@@ -35,7 +38,7 @@ def tensor_stats(x: torch.Tensor, singular_value: bool = False) -> torch.Tensor:
     else:
         values = _masked_stats(x64)
     values["numel"] = torch.tensor(float(n), dtype=torch.float64, device=x.device)
-    values["zero_frac"] = (n - torch.count_nonzero(flat)) / max(n, 1)
+    values["zero_frac"] = (n - torch.count_nonzero(flat)).to(torch.float64) / max(n, 1)
     values["sv_max"] = torch.tensor(float("nan"), dtype=torch.float64, device=x.device)
     if singular_value and x.dim() == 2 and n:
         w = torch.nan_to_num(x64.reshape(x.shape), nan=0.0, posinf=0.0, neginf=0.0)
@@ -81,9 +84,49 @@ def _masked_stats(x64: torch.Tensor) -> dict[str, torch.Tensor]:
     # min/max of a tensor with no finite element are undefined, not +-inf.
     return {"mean": mean, "std": std, "abs_mean": absz.sum() / count,
             "min": torch.where(count > 0, mn, nan), "max": torch.where(count > 0, mx, nan),
-            "abs_max": abs_max, "norm": z.square().sum().sqrt(),
+            "abs_max": torch.where(count > 0, abs_max, nan), "norm": z.square().sum().sqrt(),
             "nan": torch.isnan(x64).sum(), "posinf": (x64 == float("inf")).sum(),
             "neginf": (x64 == float("-inf")).sum()}
+
+
+def batched_stats(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`tensor_stats` of many (small) tensors on one device at once: (K, len(STAT_COLUMNS)).
+
+    sv_max is NaN. Same definitions as `tensor_stats`, computed with segmented reductions over
+    the concatenation, so the cost is a few passes over all elements instead of ~20 ops per
+    tensor.
+    """
+    flats = [t.detach().reshape(-1).to(torch.float64) for t in tensors]
+    device = flats[0].device
+    numel = torch.tensor([f.numel() for f in flats], dtype=torch.float64, device=device)
+    lengths = numel.to(torch.int64)
+    data = torch.cat(flats)
+    finite = torch.isfinite(data)
+    z = torch.where(finite, data, 0.0)
+    inf = float("inf")
+
+    def seg(values: torch.Tensor, how: str = "sum") -> torch.Tensor:
+        # `initial` takes part in every segment's reduction: the neutral element of each
+        start = {"sum": 0.0, "min": inf, "max": -inf}[how]
+        return torch.segment_reduce(values, how, lengths=lengths, unsafe=True, initial=start)
+
+    count = seg(finite.to(torch.float64))
+    s1, s2 = seg(z), seg(z * z)
+    nan = torch.full_like(count, float("nan"))
+    has = count > 0
+    mn = torch.where(has, seg(torch.where(finite, data, inf), "min"), nan)
+    mx = torch.where(has, seg(torch.where(finite, data, -inf), "max"), nan)
+    mean = s1 / count
+    values = {
+        "numel": numel, "mean": mean, "std": (s2 / count - mean * mean).clamp_min(0.0).sqrt(),
+        "abs_mean": seg(z.abs()) / count, "min": mn, "max": mx,
+        "abs_max": torch.maximum(-mn, mx), "norm": s2.sqrt(),
+        "zero_frac": seg((data == 0).to(torch.float64)) / numel.clamp_min(1.0),
+        "nan": seg(torch.isnan(data).to(torch.float64)),
+        "posinf": seg((data == inf).to(torch.float64)),
+        "neginf": seg((data == -inf).to(torch.float64)), "sv_max": nan,
+    }
+    return torch.stack([values[c] for c in STAT_COLUMNS], dim=1)
 
 
 def _rows(rows: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
@@ -165,13 +208,24 @@ def summarise_captures(captures: list[Capture], max_samples: int, max_neurons: i
     are bfloat16 (3 significant digits, float32 range: enough to draw, half the bytes) unless
     `exact_views`; full sample values stay float32; the statistics are exact float64.
     """
-    keys, stats, pending = [], [], []
+    keys = [(c.name, c.direction, c.iteration) for c in captures]
+    rows: list[torch.Tensor | None] = [None] * len(captures)
+    small: dict[torch.device, list[int]] = {}
+    for i, c in enumerate(captures):
+        sv = singular_values and c.is_parameter and c.tensor.dim() == 2
+        if c.tensor.numel() <= BATCHED_NUMEL and not sv:
+            small.setdefault(c.tensor.device, []).append(i)
+        else:
+            rows[i] = tensor_stats(c.tensor, sv)
+    for device, idx in small.items():
+        for i, row in zip(idx, batched_stats([captures[i].tensor for i in idx])):
+            rows[i] = row.to(device)
+    pending = []
     for c in captures:
-        keys.append((c.name, c.direction, c.iteration))
-        stats.append(tensor_stats(c.tensor, singular_values and c.is_parameter))
         for view, arr in array_views(c.tensor, c.batch_dim, max_samples, max_neurons).items():
             pending.append((c.name, c.direction, view, c.iteration, arr))
-    host_stats = torch.stack(stats).cpu() if stats else torch.zeros(0, len(STAT_COLUMNS))
+    host_stats = (torch.stack(rows).cpu() if rows  # type: ignore[arg-type]
+                  else torch.zeros(0, len(STAT_COLUMNS)))
     arrays = []
     # One transfer for full sample values (float32) and one for aggregated views (bfloat16
     # unless exact), converted in one go.
