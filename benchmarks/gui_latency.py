@@ -21,6 +21,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -122,7 +123,27 @@ def summary(name: str, marks: list[dict[str, float]]) -> dict[str, dict[str, flo
     return out
 
 
-def measure(data: Path, clicks: int, browser_path: str) -> dict[str, dict[str, float]]:
+def cold_history_ms(data: Path) -> float:
+    """Server time of one uncached over-steps read (the one SQL query behind the chart a
+    first click on a tensor needs), median over the run's tensors and both directions."""
+    from deepscope.gui.data import ProjectData
+
+    times = []
+    project = ProjectData(data)
+    for tensor in project.run(RUN).tensor_info():
+        for direction in ("forward", "grad"):
+            rd = ProjectData(data).run(RUN)  # a fresh reader: nothing cached
+            started = time.perf_counter()
+            rd.history(tensor, direction, 0, "train")
+            times.append((time.perf_counter() - started) * 1000)
+            rd.close()
+    ms = statistics.median(times)
+    print(f"server: over-steps history query, uncached: median {ms:.1f} ms "
+          f"({len(times)} reads)")
+    return ms
+
+
+def measure(data: Path, clicks: int, browser_path: str) -> dict[str, Any]:
     from playwright.sync_api import sync_playwright
 
     from deepscope.gui.server import make_server
@@ -176,6 +197,7 @@ def main() -> None:
         parser.error("--clicks must be at least 30 for a meaningful p95")
     ensure_run(args.data, args.steps)
     result = measure(args.data, args.clicks, args.browser)
+    result["cold_history_ms"] = cold_history_ms(args.data)
     if args.out:
         args.out.write_text(json.dumps({"steps": args.steps, **result}, indent=2))
 

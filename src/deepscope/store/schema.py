@@ -45,6 +45,7 @@ CREATE TABLE IF NOT EXISTS arrays (
     step INTEGER NOT NULL, iteration INTEGER NOT NULL, dtype TEXT NOT NULL, shape TEXT NOT NULL,
     offset INTEGER NOT NULL, nbytes INTEGER NOT NULL,
     PRIMARY KEY (tensor_id, direction, view, step, iteration)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS arrays_by_record ON arrays (tensor_id, direction, step, iteration);
 CREATE TABLE IF NOT EXISTS graphs (hash TEXT PRIMARY KEY, body TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS iterations (
     step INTEGER NOT NULL, iteration INTEGER NOT NULL, graph TEXT NOT NULL,

@@ -1,0 +1,195 @@
+"""Data access for the GUI: one cached reader per run, caches keyed by what is on disk.
+
+Callbacks run in Flask's worker threads, so each run's reader is used under its own lock.
+Nothing here holds a user's selection: selections live in the browser (per tab); the caches
+only remember what the files contained, keyed by the files' size and modification time, so a
+step committed by a training process invalidates them on the next poll.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pandas as pd
+
+from ..query import Project, Run
+
+T = TypeVar("T")
+
+
+class LRU:
+    """A small thread-safe least-recently-used cache."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: OrderedDict[Any, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Any, make: Callable[[], T]) -> T:
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+        value = make()  # outside the lock: building may take a while; a race only costs time
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+        return value
+
+
+class RunData:
+    """One run's reader plus caches of the small tables every click needs."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self._lock = threading.RLock()
+        self._cache = LRU(64)
+        self._graphs = LRU(256)
+        self._steps = LRU(256)
+        self._identity = self._file_identity()
+
+    def _file_identity(self) -> tuple[int, ...]:
+        """Inodes of the rank files: they change when a run is overwritten (deleted, re-made)."""
+        return tuple(p.stat().st_ino for p in sorted(self.run.path.glob("rank*.sqlite")))
+
+    def stale(self) -> bool:
+        """True if the run folder was replaced since this reader opened it."""
+        try:
+            return self._file_identity() != self._identity
+        except FileNotFoundError:
+            return True
+
+    def version(self) -> str:
+        """A token that changes whenever a writer commits (file sizes and mtimes, WAL too).
+
+        The -shm index is left out: readers touch it too.
+        """
+        parts = []
+        files = [*self.run.path.glob("rank*.sqlite"), *self.run.path.glob("rank*.sqlite-wal")]
+        for p in sorted(files):
+            try:
+                st = p.stat()
+            except FileNotFoundError:  # a WAL file removed by a checkpoint between glob and stat
+                continue
+            parts.append(f"{p.name}:{st.st_size}:{st.st_mtime_ns}")
+        return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+    @contextmanager
+    def reading(self) -> Iterator[Run]:
+        """The run, for one or more queries made under this run's lock."""
+        with self._lock:
+            yield self.run
+
+    def cached(self, key: str, make: Callable[[Run], T]) -> T:
+        """`make(run)`, recomputed only when the files changed since the cached result."""
+        version = self.version()
+
+        def build() -> T:
+            with self.reading() as run:
+                return make(run)
+        return self._cache.get((key, version), build)
+
+    # --- what every click needs, cached ------------------------------------------------
+    def step_index(self) -> dict[str, tuple[list[int], list[int]]]:
+        """Per kind (in recording order): its recorded steps and their iteration counts."""
+        def build(run: Run) -> dict[str, tuple[list[int], list[int]]]:
+            table = run.step_table()
+            index: dict[str, tuple[list[int], list[int]]] = {}
+            for step, kind, iterations in zip(table["step"].tolist(), table["kind"].tolist(),
+                                              table["iterations"].tolist()):
+                steps, counts = index.setdefault(kind, ([], []))
+                steps.append(int(step))
+                counts.append(int(iterations))
+            return index
+        return self.cached("step_index", build)
+
+    def steps(self, kind: str) -> list[int]:
+        return self.step_index().get(kind, ([], []))[0]
+
+    def tensor_info(self) -> dict[str, dict[str, Any]]:
+        """name -> role, node, role_in_node, shape, batch_dim (None for parameters)."""
+        def build(run: Run) -> dict[str, dict[str, Any]]:
+            out = {}
+            for row in run.tensors().to_dict("records"):
+                bd = row["batch_dim"]
+                row["batch_dim"] = None if bd is None or bd != bd else int(bd)  # NaN: none
+                out[row.pop("name")] = row
+            return out
+        return self.cached("tensor_info", build)
+
+    def meta(self) -> dict[str, Any]:
+        return self.cached("meta", lambda r: r.meta())
+
+    def step_records(self, step: int) -> pd.DataFrame:
+        """Statistics of every tensor record of one step. A committed step never changes,
+        so this is cached by step alone (an overwritten run gets a new `RunData`)."""
+        def build() -> pd.DataFrame:
+            with self.reading() as run:
+                return run.stats_wide(step=step)
+        return self._steps.get(step, build)
+
+    def history(self, tensor: str, direction: str, iteration: int,
+                kind: str) -> pd.DataFrame:
+        """Statistics of one tensor over all recorded steps of a kind: one SQL query,
+        repeated only when the run changed (a step click reuses it)."""
+        return self.cached(f"history:{tensor}:{direction}:{iteration}:{kind}",
+                           lambda r: r.stats_wide(tensor, direction=direction,
+                                                  iteration=iteration, kind=kind))
+
+    def graph(self, step: int, iteration: int) -> dict[str, Any]:
+        """The dependency graph of one step and iteration; recorded graphs never change."""
+        return self._graphs.get((step, iteration), lambda: self._read_graph(step, iteration))
+
+    def _read_graph(self, step: int, iteration: int) -> dict[str, Any]:
+        with self.reading() as run:
+            return run.graph(step, iteration=iteration)
+
+    def quantities(self, name: str) -> pd.DataFrame:
+        """All values of one instrument quantity (every layer and step), cached per version."""
+        return self.cached(f"quantities:{name}", lambda r: r.quantities(name))
+
+    def close(self) -> None:
+        with self._lock:
+            self.run.close()
+
+
+class ProjectData:
+    """The project folder the GUI serves; runs are discovered again on every call."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._runs: dict[str, RunData] = {}
+        self._lock = threading.Lock()
+
+    def exists(self) -> bool:
+        return self.path.is_dir()
+
+    def runs(self) -> list[str]:
+        """Run names, sorted; [] when the folder is missing or holds no runs yet."""
+        if not self.exists():
+            return []
+        return Project(self.path).runs()
+
+    def run(self, name: str) -> RunData:
+        """The cached reader of run `name` (opened on first use)."""
+        with self._lock:
+            data = self._runs.get(name)
+            if data is not None and data.stale():
+                data.close()
+                data = None
+            if data is None:
+                data = self._runs[name] = RunData(Project(self.path).run(name))
+            return data
+
+
+def fingerprint(obj: Any) -> str:
+    """A short stable hash of a JSON-able structure (graph bodies, selections)."""
+    return hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]

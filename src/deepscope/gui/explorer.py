@@ -1,0 +1,309 @@
+"""Callbacks of the Graph tab: resolve the selectors, draw the graph, fill the outputs.
+
+Flow per click: one round trip turns the selector values into a valid selection (kept in
+the browser, per tab) and returns the selected record's table and charts with it; the graph
+and the over-steps history are callbacks on that selection. Every panel is computed on its
+own, so a failure stays in its panel.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import dash
+from dash import ALL, Input, Output, State, ctx, html
+
+from . import graph_view, panels
+from .data import LRU, ProjectData, RunData, fingerprint
+from .guard import contained, describe, error_box, error_figure, guard, report
+from .selection import Request, resolve
+
+_LAYOUTS = LRU(128)  # graph structure fingerprint -> GraphLayout (pure function of the graph)
+
+
+def register(app: dash.Dash, project: ProjectData) -> None:
+    _register_poll(app, project)
+    _register_resolve(app, project)
+    _register_graph(app, project)
+    _register_outputs(app, project)
+
+
+# --- live: a version token per run, polled -------------------------------------------------
+SLOW_REFRESH_S = 10.0  # dashboards (instruments, KPIs, ...) redraw at most this often
+
+
+def _register_poll(app: dash.Dash, project: ProjectData) -> None:
+    run_lists = ("run", "compare-b", "kpi-runs")
+
+    @app.callback(Output("version", "data"), Output("version-slow", "data"),
+                  *[Output(i, "options") for i in run_lists],
+                  Output("live-status", "children"), Input("poll", "n_intervals"),
+                  State("version", "data"), State("version-slow", "data"))
+    def _poll(_n: int | None, known: dict[str, str] | None, slow: dict | None) -> tuple:
+        """`version` changes with every commit (the graph tab follows each step);
+        `version-slow` at most every SLOW_REFRESH_S, so that whole dashboards are not
+        recomputed every poll while a run trains on the same machine."""
+        versions = {name: project.run(name).version() for name in project.runs()}
+        slow_due = slow is None or (slow["versions"] != versions and (
+            time.time() - slow["time"] >= SLOW_REFRESH_S or list(slow["versions"]) !=
+            list(versions)))
+        if versions == known and not slow_due:
+            raise dash.exceptions.PreventUpdate
+        same_runs = known is not None and list(versions) == list(known)
+        options = dash.no_update if same_runs else [{"label": r, "value": r}
+                                                     for r in versions]
+        status = f"updated {time.strftime('%H:%M:%S')}" if known is not None else "live"
+        return (dash.no_update if versions == known else versions,
+                {"versions": versions, "time": time.time()} if slow_due else dash.no_update,
+                *[options] * len(run_lists), status)
+
+
+# --- selectors ----------------------------------------------------------------------------
+_SELECTORS = ("run", "kind", "iteration", "direction", "batch", "node", "tensor")
+_CONTROLS = (("run", "value"), ("kind", "options"), ("kind", "value"), ("step-slider", "max"),
+             ("step-slider", "marks"), ("step-slider", "value"), ("step-label", "children"),
+             ("iteration", "options"), ("iteration", "value"), ("direction", "options"),
+             ("direction", "value"), ("batch", "options"), ("batch", "value"),
+             ("node", "options"), ("node", "value"), ("tensor", "options"),
+             ("tensor", "value"))
+
+
+def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
+    inputs = [Input(i, "value") for i in _SELECTORS] + [
+        Input("step-slider", "value"), Input("step-prev", "n_clicks"),
+        Input("step-next", "n_clicks"), Input("graph", "tapNodeData"),
+        Input({"type": "node-btn", "node": ALL}, "n_clicks"),
+        Input("over-steps", "clickData"), Input("version", "data")]
+
+    @app.callback(*[Output(i, p) for i, p in _CONTROLS], Output("sel", "data"),
+                  Output("controls-sent", "data"), *_RECORD_OUTPUTS, *inputs,
+                  State("sel", "data"), State("controls-sent", "data"))
+    def _resolve(run: str | None, kind: str | None, iteration: int | None,
+                 direction: str | None, batch: str | None, node: str | None,
+                 tensor: str | None, slider: int | None, _prev: Any, _next: Any,
+                 tap: dict | None, _buttons: list, click: dict | None, _v: Any,
+                 previous: dict | None, sent: dict | None) -> tuple:
+        trigger, picked_node, picked_step = _trigger(tap, click)
+        if trigger is None and previous is not None and ctx.triggered_id is not None:
+            raise dash.exceptions.PreventUpdate  # a node-list button appeared, not clicked
+        req = Request(run=run, kind=kind, slider=slider, iteration=iteration,
+                      direction=direction, batch=batch, node=node, tensor=tensor,
+                      trigger=trigger, picked_node=picked_node, picked_step=picked_step)
+        try:
+            sel, ch = resolve(project, req, previous)
+        except Exception as exc:  # e.g. a damaged run: say so, keep the page
+            report("selection", exc)
+            keep = [dash.no_update] * (len(_CONTROLS) + 2)   # controls, sel, controls-sent
+            return (*keep, None, error_box(describe(exc)), dash.no_update, dash.no_update)
+        new = {
+            ("run", "value"): sel.run, ("kind", "options"): ch.kinds,
+            ("kind", "value"): sel.kind, ("step-slider", "max"): max(ch.step_count - 1, 0),
+            ("step-slider", "marks"): ch.marks, ("step-slider", "value"): ch.step_index,
+            ("step-label", "children"): ch.step_label,
+            ("iteration", "options"): ch.iterations, ("iteration", "value"): sel.iteration,
+            ("direction", "options"): ch.directions, ("direction", "value"): sel.direction,
+            ("batch", "options"): ch.batches, ("batch", "value"): sel.batch,
+            ("node", "options"): ch.nodes, ("node", "value"): sel.node,
+            ("tensor", "options"): ch.tensors, ("tensor", "value"): sel.tensor}
+        shown = {("run", "value"): run, ("kind", "value"): kind,
+                 ("iteration", "value"): iteration, ("direction", "value"): direction,
+                 ("batch", "value"): batch, ("node", "value"): node,
+                 ("tensor", "value"): tensor, ("step-slider", "value"): slider}
+        # Send only what changed: Dash wakes every callback that listens to a property it
+        # sets, even to the same value (the run selector alone feeds a dozen panels).
+        sent = dict(sent or {})
+        out = []
+        for key in _CONTROLS:
+            name, value = ".".join(key), new[key]
+            if key in shown:
+                changed = shown[key] != value
+            else:
+                changed = sent.get(name) != fingerprint(value)
+                sent[name] = fingerprint(value)
+            out.append(value if changed else dash.no_update)
+        data = sel.as_dict()
+        if data == previous:
+            return (*out, dash.no_update, sent, *[dash.no_update] * len(_RECORD_OUTPUTS))
+        return (*out, data, sent, *record_panels(project, data))
+
+
+# The record's own panels come back with the selection itself: one round trip per click.
+_RECORD_OUTPUTS = (Output("nonfinite-banner", "children"), Output("stats-table", "children"),
+                   Output("values-chart", "figure"), Output("items-chart", "figure"))
+
+
+def record_panels(project: ProjectData, sel: dict[str, Any]) -> tuple:
+    """Banner, statistics table, values chart and per-item chart of the selected record;
+    each computed on its own, so an error stays in its panel."""
+    if sel.get("empty") or not sel.get("tensor"):
+        hint = html.P("No recorded tensor to show yet.", className="hint")
+        return None, hint, dash.no_update, dash.no_update
+    rd = project.run(sel["run"])
+    banner, table = contained(lambda: panels.stats_table(rd, sel),
+                              lambda msg: (None, error_box(msg)), "statistics table")
+    values = contained(lambda: panels.values_panel(rd, sel),
+                       lambda msg: error_figure(msg, "values", 240), "values chart")
+    items = contained(lambda: panels.items_panel(rd, sel),
+                      lambda msg: error_figure(msg, "per batch item", 200), "items chart")
+    return banner, table, values, items
+
+
+def _trigger(tap: dict | None, click: dict | None) -> tuple[str | None, str | None, int | None]:
+    """(which selector changed, node picked, step picked) from Dash's callback context."""
+    tid = ctx.triggered_id
+    if isinstance(tid, dict):  # a node-list button: only a real click counts
+        clicked = any(t.get("value") for t in ctx.triggered)
+        return ("node-btn", tid.get("node"), None) if clicked else (None, None, None)
+    if tid == "graph":
+        return "graph", (tap or {}).get("id"), None
+    if tid == "over-steps":
+        points = (click or {}).get("points") or [{}]
+        x = points[0].get("x")
+        return "over-steps", None, int(x) if isinstance(x, (int, float)) else None
+    return tid, None, None
+
+
+# --- the graph ----------------------------------------------------------------------------
+def _register_graph(app: dash.Dash, project: ProjectData) -> None:
+    @app.callback(Output("graph", "elements"), Output("graph", "layout"),
+                  Output("node-list", "children"), Output("legend", "children"),
+                  Output("graph-key", "data"), Input("sel", "data"),
+                  Input("colour-by", "value"), State("graph-key", "data"))
+    @guard(lambda msg: (dash.no_update, dash.no_update, dash.no_update, error_box(msg),
+                        dash.no_update))
+    def _graph(sel: dict | None, colour_by: str | None, known: dict | None) -> tuple:
+        if not sel or sel.get("empty"):
+            msg = html.P("No recorded step yet: the graph appears with the first one.",
+                         className="hint")
+            return [], dash.no_update, [], msg, None
+        rd = project.run(sel["run"])
+        graph = rd.graph(sel["step"], sel["iteration"])
+        key = fingerprint(graph)  # same structure in another run: keep the view as it is
+        layout = _LAYOUTS.get(key, lambda: graph_view.build_layout(graph))
+        colours, scale, flags, caption = node_colouring(rd, sel, layout, colour_by or "role")
+        elements = graph_view.elements(layout, sel["node"], sel["tensor"], colours, flags)
+        drawn = fingerprint([elements, caption, scale and [scale.low, scale.high, scale.log]])
+        known = known or {}
+        if key == known.get("structure"):
+            if drawn == known.get("drawn"):  # e.g. a step click with nothing to recolour
+                raise dash.exceptions.PreventUpdate
+            return (elements, dash.no_update, dash.no_update, _legend(layout, scale, caption),
+                    {"structure": key, "drawn": drawn})
+        ordered = sorted(layout.positions, key=lambda n: layout.positions[n])
+        buttons = [html.Button(n, id={"type": "node-btn", "node": n}, className="node-btn",
+                               **{"data-node": n}) for n in ordered]
+        # A changed layout prop makes cytoscape re-run the preset layout and fit the view.
+        cy_layout = {"name": "preset", "fit": True, "padding": 24, "structure": key}
+        return (elements, cy_layout, buttons, _legend(layout, scale, caption),
+                {"structure": key, "drawn": drawn})
+
+
+def node_colouring(rd: RunData, sel: dict[str, Any], layout: graph_view.GraphLayout,
+                   colour_by: str) -> tuple[dict[str, str], graph_view.ColourScale | None,
+                                            dict[str, str], str]:
+    """Node fills, their scale, non-finite flags and a legend caption for one step."""
+    df = rd.step_records(sel["step"])
+    bad = df[(df[["nan", "posinf", "neginf"]].fillna(0) > 0).any(axis=1)]
+    node_of = {t: n for n, ts in layout.members.items() for t in ts}
+    flags: dict[str, str] = {}
+    for t in dict.fromkeys(bad["tensor"]):
+        if t in node_of:
+            flags[node_of[t]] = f"non-finite values in {t}"
+    if colour_by == "role":
+        return {}, None, flags, ""
+    per_tensor: dict[str, float] = {}
+    if colour_by.startswith("stat:"):
+        stat = colour_by[5:]
+        rows = df[df["direction"] == sel["direction"]]
+        # Parameters are recorded in iteration 0 only: prefer this iteration, else any.
+        rows = rows.assign(pref=(rows["iteration"] != sel["iteration"]).astype(int))
+        for t, g in rows.sort_values("pref").groupby("tensor", sort=False):
+            per_tensor[t] = float(g[stat].iloc[0])
+        caption = f"{stat} of {sel['direction']} values at step {sel['step']}"
+    else:
+        name = colour_by[2:]
+        q = rd.quantities(name)
+        q = q[(q["step"] <= sel["step"]) & (q["layer"] != "")]
+        if q.empty:
+            return {}, None, flags, f"{name}: not tracked per layer up to this step"
+        at = int(q["step"].max())
+        for layer, value in q[q["step"] == at][["layer", "value"]].itertuples(index=False):
+            per_tensor[_tensor_for_layer(layer, node_of)] = value
+        caption = f"{name} at step {at}"
+    per_node: dict[str, float] = {}
+    for t, v in per_tensor.items():
+        n = node_of.get(t)
+        if n is not None and v is not None and math.isfinite(v):
+            per_node[n] = max(per_node.get(n, -math.inf), v)
+    colours, scale = graph_view.colour_nodes(per_node)
+    missing = {n: graph_view.MISSING_COLOUR for n in layout.positions if n not in colours}
+    return {**missing, **colours}, scale, flags, caption + " (node: max over its tensors)"
+
+
+def _tensor_for_layer(layer: str, node_of: dict[str, str]) -> str:
+    """A quantity's layer is a parameter name; watched models may add a prefix to it."""
+    if layer in node_of:
+        return layer
+    return next((t for t in node_of if t.endswith("." + layer)), layer)
+
+
+def _legend(layout: graph_view.GraphLayout, scale: graph_view.ColourScale | None,
+            caption: str) -> list[Any]:
+    roles = [r for r in graph_view.ROLE_ORDER if r in set(layout.roles.values())]
+    items: list[Any] = [html.Span([html.I(className="swatch",
+                                          style={"background": graph_view.ROLE_COLOURS[r]}),
+                                   r], className="legend-item") for r in roles]
+    items.append(html.Span("dotted side: no dependency (left) / no dependent (right); "
+                           "dashed edge: from an earlier iteration", className="hint"))
+    if caption:
+        bar: list[Any] = [html.Span(caption, className="hint")]
+        if scale is not None:
+            bar = [html.Span(f"{scale.low:.3g}"),
+                   html.I(className="colourbar", style={"background": scale.gradient_css()}),
+                   html.Span(f"{scale.high:.3g}" + (" (log)" if scale.log else "")),
+                   *bar, html.Span([html.I(className="swatch", style={
+                       "background": graph_view.MISSING_COLOUR}), "no value"],
+                       className="legend-item")]
+        items.append(html.Div(bar, className="colour-legend"))
+    return items
+
+
+# --- outputs ------------------------------------------------------------------------------
+def _register_outputs(app: dash.Dash, project: ProjectData) -> None:
+    @app.callback(Output("overlay", "options"), Input("run", "value"), Input("version", "data"))
+    def _overlay_options(run: str | None, versions: dict | None) -> list:
+        # the selected run is always drawn; offer only the others
+        return [{"label": r, "value": r} for r in (versions or {}) if r != run]
+
+    # Moving the step marker needs no server round trip and no replot of the points.
+    app.clientside_callback(
+        """function (sel, fig) {
+            const shapes = fig && fig.layout && fig.layout.shapes;
+            if (!sel || sel.step === null || !shapes || !shapes.length) {
+                return window.dash_clientside.no_update;
+            }
+            return new window.dash_clientside.Patch()
+                .assign(["layout", "shapes", 0, "x0"], sel.step)
+                .assign(["layout", "shapes", 0, "x1"], sel.step).build();
+        }""",
+        Output("over-steps", "figure", allow_duplicate=True), Input("sel", "data"),
+        State("over-steps", "figure"), prevent_initial_call=True)
+
+    @app.callback(Output("over-steps", "figure"), Output("over-steps-key", "data"),
+                  Input("sel", "data"), Input("statistic", "value"),
+                  Input("overlay", "value"), Input("version", "data"),
+                  State("over-steps-key", "data"))
+    @guard(lambda msg: (error_figure(msg, "over steps"), None))
+    def _history(sel: dict | None, statistic: str | None, overlay: list | None,
+                 versions: dict | None, drawn: str | None) -> tuple:
+        if not sel or sel.get("empty") or not sel.get("tensor"):
+            raise dash.exceptions.PreventUpdate
+        runs = list(dict.fromkeys([sel["run"], *(overlay or [])]))
+        statistic = statistic or "norm"
+        key = fingerprint([runs, sel["tensor"], sel["direction"], sel["record_iteration"],
+                           sel["kind"], statistic, [(versions or {}).get(r) for r in runs]])
+        if key == drawn:  # only the step moved: the browser moved the marker (above)
+            raise dash.exceptions.PreventUpdate
+        return panels.history(project, runs, sel, statistic), key

@@ -1,0 +1,202 @@
+"""The Instruments tab: a Cockpit-like dashboard of training-dynamics quantities.
+
+One plotly panel per instrument, each its own callback so a failing or missing quantity only
+affects its own panel. A quantity the run did not record says "not tracked".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import dash
+import numpy as np
+import pandas as pd
+from dash import Input, Output
+
+from .data import ProjectData, RunData
+from .figures import Figure, base_layout, line_trace, log_axis_fits, message_figure, note
+from .guard import figure_guard
+
+MAX_HIST_STEPS = 300  # columns of the gradient-histogram heatmap; more steps are thinned
+MAX_HIST_BINS = 400   # rows of the common grid (the finest recorded bin width, up to this)
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One dashboard panel: quantities drawn together, optionally some on a right axis."""
+
+    title: str
+    names: tuple[str, ...]
+    right: tuple[str, ...] = ()
+    markers: bool = False
+
+
+PANELS: dict[str, Panel] = {
+    "alpha": Panel("Alpha (0: valley floor, >1: overshoot)", ("Alpha",), markers=True),
+    "distance": Panel("Distance (left), UpdateSize (right)", ("Distance", "UpdateSize"),
+                      right=("UpdateSize",)),
+    "gradnorm": Panel("Gradient norm", ("GradNorm",)),
+    "tests": Panel("Gradient tests (near 1: batch size fits)",
+                   ("NormTest", "InnerTest", "OrthoTest")),
+    "hist1d": Panel("Gradient elements (log counts)", ("GradHist1d",)),
+    "snr": Panel("GSNR, CABS, early stopping", ("MeanGSNR", "CABS", "EarlyStopping")),
+    "hessmaxev": Panel("Hessian max eigenvalue", ("HessMaxEV",)),
+    "hesstrace": Panel("Hessian trace", ("HessTrace",)),
+    "tic": Panel("Takeuchi information criterion", ("TICDiag", "TICTrace")),
+    "performance": Panel("Loss and KPIs", ("Loss",)),
+}
+SECTIONS: list[tuple[str, list[str]]] = [
+    ("Step size", ["alpha", "distance", "gradnorm"]),
+    ("Gradients", ["tests", "hist1d", "snr"]),
+    ("Curvature", ["hessmaxev", "hesstrace", "tic"]),
+    ("Performance", ["performance"]),
+]
+PER_LAYER = ("GradNorm", "Distance", "UpdateSize", "HessTrace", "TICDiag")
+
+
+def _series(rd: RunData, name: str, layer: str) -> tuple[pd.DataFrame, str]:
+    """Rows of `name` for `layer`, falling back to the whole model; and the layer used."""
+    df = rd.quantities(name)
+    rows = df[df["layer"] == layer]
+    if rows.empty and layer:
+        return df[df["layer"] == ""], ""
+    return rows, layer
+
+
+def _missing_reason(rows: pd.DataFrame) -> str:
+    """Why a recorded quantity has no finite value (the instrument stores a reason)."""
+    reasons = {m.get("reason") for m in rows["meta"] if isinstance(m, dict) and m.get("reason")}
+    return "; ".join(sorted(reasons))[:160]
+
+
+def render_panel(rd: RunData, panel: Panel, layer: str) -> Figure:
+    """The figure of one panel for one run and layer ("" = whole model)."""
+    if panel.names == ("GradHist1d",):
+        return _histogram_panel(rd, panel, layer)
+    traces, used_layers, missing = [], set(), []
+    for i, name in enumerate(panel.names):
+        rows, used = _series(rd, name, layer)
+        if rows.empty:
+            missing.append(name)
+            continue
+        used_layers.add(used)
+        trace = line_trace(name, rows["step"], rows["value"], i,
+                           yaxis="y2" if name in panel.right else None)
+        if panel.markers:
+            trace["mode"] = "markers"
+        traces.append(trace)
+        if rows["value"].notna().sum() == 0:
+            reason = _missing_reason(rows)
+            missing.append(f"{name} (no value{': ' + reason if reason else ''})")
+    if panel is PANELS["performance"]:
+        traces += _kpi_traces(rd, start=len(traces))
+    if not traces:
+        return message_figure(f"{', '.join(panel.names)}: not tracked in this run",
+                              panel.title, height=240)
+    title = panel.title + ("" if not layer else f" · {layer}" if used_layers == {layer}
+                           else " · whole model")
+    extra: dict[str, Any] = {}
+    ys = [v for t in traces if t.get("yaxis") is None for v in t["y"]]
+    if log_axis_fits(ys):
+        extra["yaxis"] = {"type": "log"}
+    if any(t.get("yaxis") == "y2" for t in traces):
+        extra["yaxis2"] = {"overlaying": "y", "side": "right", "showgrid": False,
+                           "automargin": True}
+    layout = base_layout(title, height=240, **extra)
+    if missing:
+        layout["annotations"] = [note("not tracked: " + ", ".join(missing))]
+    return {"data": traces, "layout": layout}
+
+
+def _kpi_traces(rd: RunData, start: int) -> list[dict[str, Any]]:
+    kpis = rd.cached("kpis", lambda r: r.kpis())
+    return [line_trace(f"kpi: {name}", g["step"], g["value"], start + i)
+            for i, (name, g) in enumerate(kpis.groupby("name", sort=True))]
+
+
+def _histogram_panel(rd: RunData, panel: Panel, layer: str) -> Figure:
+    """GradHist1d as a heatmap: x = step, y = gradient value, colour = log10(1 + count).
+
+    Ranges may differ between steps (adaptive bins): every column is re-binned onto one
+    common grid, spreading each bin's count evenly over its width.
+    """
+    rows, used = _series(rd, "GradHist1d", layer)
+    if rows.empty:
+        return message_figure("GradHist1d: not tracked in this run", panel.title, height=240)
+    steps = rows["step"].to_numpy()
+    if steps.size > MAX_HIST_STEPS:
+        steps = steps[np.linspace(0, steps.size - 1, MAX_HIST_STEPS).round().astype(int)]
+    found, outside = [], 0
+    with rd.reading() as run:
+        for step in steps:
+            try:
+                counts, meta = run.histogram("GradHist1d", int(step), used)
+            except KeyError:  # recorded as missing at this step (the reason is in its meta)
+                continue
+            lo, hi, bins = meta["edges"]
+            if counts.size != bins:
+                raise ValueError(f"GradHist1d at step {step}: {counts.size} counts for "
+                                 f"{bins} bins")
+            found.append((int(step), float(lo), float(hi), counts.astype(float)))
+            outside += sum(int(meta.get(k, 0) or 0)
+                           for k in ("underflow", "overflow", "nan", "posinf", "neginf"))
+    if not found:
+        return message_figure("GradHist1d: recorded, but no histogram was computed",
+                              panel.title, height=240)
+    lo = min(f[1] for f in found)
+    hi = max(f[2] for f in found)
+    finest = min((b - a) / counts.size for _, a, b, counts in found)
+    n = int(min(max(round((hi - lo) / finest), max(f[3].size for f in found)), MAX_HIST_BINS))
+    grid = np.linspace(lo, hi, n + 1)
+    columns = []
+    for _, a, b, counts in found:
+        cdf = np.concatenate([[0.0], np.cumsum(counts)])
+        columns.append(np.diff(np.interp(grid, np.linspace(a, b, counts.size + 1), cdf)))
+    z = np.log10(1.0 + np.stack(columns, axis=1))
+    centres = (grid[:-1] + grid[1:]) / 2
+    data = [{"type": "heatmap", "x": [f[0] for f in found], "y": centres.tolist(),
+             "z": z.tolist(), "colorscale": "Viridis",
+             "colorbar": {"title": {"text": "log10(1+n)"}, "thickness": 10},
+             "hovertemplate": "step %{x}<br>g ≈ %{y:.3g}: 10^%{z:.2f}<extra></extra>"}]
+    layout = base_layout(panel.title, height=240, yaxis={"title": {"text": "value"}})
+    if outside:
+        layout["annotations"] = [note(f"{outside} outside the range or non-finite")]
+    return {"data": data, "layout": layout}
+
+
+def layer_options(rd: RunData) -> list[dict[str, str]]:
+    """Whole model plus every layer any per-layer quantity recorded."""
+    layers: set[str] = set()
+    for name in PER_LAYER:
+        layers.update(rd.quantities(name)["layer"])
+    layers.discard("")
+    return [{"label": "whole model", "value": ""}] + [{"label": x, "value": x}
+                                                      for x in sorted(layers)]
+
+
+def register(app: dash.Dash, project: ProjectData) -> None:
+    """Callbacks of the Instruments tab; they run only while the tab is shown."""
+    inputs = [Input("tabs", "value"), Input("run", "value"), Input("inst-layer", "value"),
+              Input("version-slow", "data")]
+
+    @app.callback(Output("inst-layer", "options"), Output("inst-layer", "value"), *inputs)
+    def _layers(tab: str, run: str | None, layer: str | None, _v: Any) -> tuple:
+        if tab != "instruments" or not run:
+            raise dash.exceptions.PreventUpdate
+        options = layer_options(project.run(run))
+        valid = {o["value"] for o in options}
+        return options, layer if layer in valid else ""
+
+    for key, panel in PANELS.items():
+        _register_panel(app, project, key, panel, inputs)
+
+
+def _register_panel(app: dash.Dash, project: ProjectData, key: str, panel: Panel,
+                    inputs: list[Input]) -> None:
+    @app.callback(Output(f"inst-{key}", "figure"), *inputs)
+    @figure_guard(panel.title, height=240)
+    def _panel(tab: str, run: str | None, layer: str | None, _v: Any) -> Figure:
+        if tab != "instruments" or not run:
+            raise dash.exceptions.PreventUpdate
+        return render_panel(project.run(run), panel, layer or "")

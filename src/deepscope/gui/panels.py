@@ -1,0 +1,167 @@
+"""Output panels of one tensor record: statistics table, values, per-item values, history.
+
+Each function reads only what it shows (one or two small queries) from a `RunData`; the graph
+tab and the compare tab share them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from dash import html
+
+from ..store.schema import STAT_COLUMNS
+from .data import ProjectData, RunData
+from .figures import (
+    Figure,
+    base_layout,
+    integer_axis,
+    line_trace,
+    message_figure,
+    note,
+    step_marker,
+    values_figure,
+)
+from .selection import BATCH_VIEWS
+
+NONFINITE = ("nan", "posinf", "neginf")
+
+
+def fmt(v: float) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    if float(v).is_integer() and abs(v) < 1e15:
+        return f"{int(v):d}"
+    return f"{v:.5g}"
+
+
+def stats_table(rd: RunData, sel: dict[str, Any]) -> tuple[Any, Any]:
+    """(banner, table) for the selected tensor record; one column per stored direction."""
+    tensor, step, it = sel["tensor"], sel["step"], sel["record_iteration"]
+    df = rd.step_records(step)
+    df = df[(df["tensor"] == tensor) & (df["iteration"] == it)]
+    if df.empty:
+        return None, html.P(f"{tensor} has no record at step {step}, iteration {it}.",
+                            className="hint")
+    directions = list(df["direction"])
+    head = html.Tr([html.Th("statistic")] + [
+        html.Th("gradient" if d == "grad" else d,
+                className="sel-col" if d == sel["direction"] else None) for d in directions])
+    rows, alarms = [], []
+    for stat in STAT_COLUMNS:
+        cells = [html.Th(stat)]
+        for d, value in zip(directions, df[stat]):
+            bad = stat in NONFINITE and value > 0
+            if bad:
+                alarms.append(f"{fmt(value)} {stat} in {d}")
+            classes = " ".join(c for c in ("nonfinite" if bad else "",
+                                           "sel-col" if d == sel["direction"] else "") if c)
+            cells.append(html.Td(fmt(value), className=classes or None))
+        rows.append(html.Tr(cells))
+    caption = html.Caption(f"{tensor} · step {step}" + (f" · iteration {it}" if it else ""))
+    table = html.Table([caption, html.Thead(head), html.Tbody(rows)], className="stats",
+                       **{"data-tensor": tensor, "data-step": str(step),
+                          "data-direction": sel["direction"]})
+    banner = None
+    if alarms:
+        banner = html.Div("⚠ non-finite values: " + ", ".join(alarms), className="banner-bad",
+                          role="alert")
+    return banner, table
+
+
+def _view_of(batch: str) -> tuple[str, int | None]:
+    """Stored view and sample index for a batch-view choice."""
+    if batch.startswith("sample:"):
+        return "samples", int(batch.split(":", 1)[1])
+    return BATCH_VIEWS.get(batch, "neuron_mean"), None
+
+
+def _stored_views(rd: RunData, tensor: str) -> tuple[bool, bool]:
+    """(any array views, per-batch-item views) for a tensor, known from its shape alone
+    (listing stored views costs a scan over all steps of the tensor)."""
+    info = rd.tensor_info().get(tensor, {})
+    return bool(info.get("shape")), info.get("batch_dim") is not None
+
+
+def values_panel(rd: RunData, sel: dict[str, Any], height: int = 240) -> Figure:
+    """Per-neuron values (bar chart) or one stored batch item's values (bar / heatmap)."""
+    tensor, step, it, direction = (sel["tensor"], sel["step"], sel["record_iteration"],
+                                   sel["direction"])
+    view, sample = _view_of(sel["batch"])
+    label = "gradient" if direction == "grad" else direction
+    if not _stored_views(rd, tensor)[0]:
+        return message_figure(f"{tensor} is a scalar: see the statistics table", height=height)
+    note = ""
+    with rd.reading() as run:
+        try:
+            values = run.values(tensor, step, view=view, iteration=it, direction=direction)
+        except KeyError:  # e.g. no full samples kept for this record: relax to the mean
+            note = f" ({view} not stored; showing neuron_mean)"
+            view, sample = "neuron_mean", None
+            values = run.values(tensor, step, view=view, iteration=it, direction=direction)
+    if sample is not None:
+        if sample >= len(values):
+            note = f" (batch has {len(values)} stored items)"
+            sample = len(values) - 1
+        values = values[sample]
+        title = f"{tensor} {label}, batch item {sample} · step {step}{note}"
+    else:
+        title = f"{tensor} {label}: {view.replace('_', ' ')} · step {step}{note}"
+    fig = values_figure(np.asarray(values), title)
+    # `meta` says what the figure shows: tests and the latency benchmark wait on it
+    fig["layout"].update(height=height, meta={"tensor": tensor, "step": step,
+                                              "direction": direction, "view": view})
+    return fig
+
+
+def items_panel(rd: RunData, sel: dict[str, Any]) -> Figure:
+    """One value per batch item (mean / abs-max / std over its neurons); the chosen item is
+    highlighted. Parameters have no batch dimension and say so."""
+    tensor, step, it, direction = (sel["tensor"], sel["step"], sel["record_iteration"],
+                                   sel["direction"])
+    if not all(_stored_views(rd, tensor)):
+        return message_figure(f"{tensor}: no per-batch-item values (no batch dimension)",
+                              height=200)
+    view, sample = _view_of(sel["batch"])
+    stat = "abs_max" if view == "samples" else view.removeprefix("neuron_")
+    with rd.reading() as run:
+        values = run.values(tensor, step, view=f"sample_{stat}", iteration=it,
+                            direction=direction)
+    colours = ["#D55E00" if i == sample else "#56B4E9" for i in range(len(values))]
+    data = [{"type": "bar", "x": list(range(len(values))),
+             "y": [float(v) if math.isfinite(v) else None for v in values.tolist()],
+             "marker": {"color": colours},
+             "hovertemplate": "item %{x}: %{y:.4g}<extra></extra>"}]
+    layout = base_layout(f"per batch item: {stat.replace('_', ' ')} over neurons", height=200,
+                         xaxis={"title": {"text": "batch item"}, **integer_axis(len(values))},
+                         bargap=0.1)
+    return {"data": data, "layout": layout}
+
+
+def history(project: ProjectData, runs: Sequence[str], sel: dict[str, Any],
+            statistic: str, height: int = 260) -> Figure:
+    """`statistic` of the selected tensor record over all recorded steps of the kind, one
+    line per run; one SQL query per run."""
+    traces, absent = [], []
+    for i, name in enumerate(dict.fromkeys(runs)):
+        df = project.run(name).history(sel["tensor"], sel["direction"],
+                                       sel["record_iteration"], sel["kind"])
+        if df.empty:
+            absent.append(name)
+            continue
+        traces.append(line_trace(name, df["step"], df[statistic], i))
+    label = "gradient" if sel["direction"] == "grad" else sel["direction"]
+    title = f"{statistic} of {sel['tensor']} ({label}) over steps · kind {sel['kind']}"
+    if not traces:
+        return message_figure(f"{sel['tensor']} ({label}) is not recorded in "
+                              f"{', '.join(absent)}", title, height=height)
+    layout = base_layout(title, height=height, shapes=step_marker(sel["step"]),
+                         showlegend=len(traces) > 1,
+                         meta={"tensor": sel["tensor"], "direction": sel["direction"],
+                               "statistic": statistic, "runs": [t["name"] for t in traces]})
+    if absent:
+        layout["annotations"] = [note("not recorded in " + ", ".join(absent))]
+    return {"data": traces, "layout": layout}

@@ -1,0 +1,55 @@
+"""Serve the GUI: `serve(path)` blocks; `make_server` gives a stoppable server (tests)."""
+
+from __future__ import annotations
+
+import ipaddress
+import sys
+from pathlib import Path
+
+from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler
+from werkzeug.serving import make_server as _make_wsgi_server
+
+from .app import create_app
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No line per request: the GUI polls, and the terminal belongs to the user."""
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        pass
+
+
+def make_server(project_path: str | Path, host: str = "127.0.0.1",
+                port: int = 8050) -> BaseWSGIServer:
+    """A threaded HTTP server for the app (port 0: any free port, see `.server_port`)."""
+    app = create_app(project_path)
+    return _make_wsgi_server(host, port, app.server, threaded=True,
+                             request_handler=_QuietHandler)
+
+
+def serve(project_path: str | Path, host: str = "127.0.0.1", port: int = 8050) -> None:
+    """Serve the GUI until interrupted. Binds 127.0.0.1 unless told otherwise."""
+    if not is_loopback(host):
+        print(f"deepscope: warning: serving on {host}: anyone who can reach this machine on "
+              "that network can read the runs (tensor values, notes); use the default "
+              "127.0.0.1 unless you mean it", file=sys.stderr)
+    server = make_server(project_path, host, port)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"deepscope: serving {Path(project_path).resolve()} on "
+          f"http://{shown}:{server.server_port}/ (Ctrl+C to stop)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
