@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..errors import CorruptRunError
 from ..store.layout import rank_files
 from ..store.reader import StoreReader
 from ..store.schema import STAT_COLUMNS
@@ -153,15 +154,19 @@ class Run:
         """
         r = self._r(rank)
         rows = r.query(
-            "SELECT a.dtype, a.shape, substr(b.data, a.offset + 1, a.nbytes) FROM arrays a "
-            "JOIN tensors t ON t.id = a.tensor_id JOIN step_blobs b ON b.step = a.step "
+            "SELECT a.dtype, a.shape, a.offset, a.nbytes, length(b.data), "
+            "substr(b.data, a.offset + 1, a.nbytes) FROM arrays a "
+            "JOIN tensors t ON t.id = a.tensor_id LEFT JOIN step_blobs b ON b.step = a.step "
             "WHERE t.name = ? AND a.step = ? AND a.iteration = ? AND a.direction = ? "
             "AND a.view = ?", (tensor, step, iteration, direction, view))
         if not rows:
             have = self.views(tensor, step, iteration=iteration, direction=direction, rank=rank)
+            if view in have:  # listed, yet not found by its key: a damaged index
+                raise CorruptRunError(f"{r.path}: view {view!r} of {tensor!r} at step {step} "
+                                      "is listed but unreadable; the file is damaged")
             raise KeyError(f"no view {view!r} of {tensor!r} ({direction}) at step {step}, "
                            f"iteration {iteration}; stored views: {have or 'none'}")
-        return r.decode_array(*rows[0])
+        return r.decode_slice(*rows[0])
 
     # --- graph ----------------------------------------------------------------------------
     def graph(self, step: int | None = None, *, kind: str | None = None, iteration: int = 0,
@@ -183,7 +188,7 @@ class Run:
         if not rows:
             raise ValueError(f"no graph for step {step}, iteration {iteration} in run "
                              f"{self.name!r}")
-        body = r.decode_json(rows[0][0], "graph")
+        body = r.decode_graph(rows[0][0])
         nodes: dict[str, dict] = {}
         for t in body.get("tensors", []):
             n = nodes.setdefault(t["node"], {"id": t["node"], "role": t["role"], "tensors": []})

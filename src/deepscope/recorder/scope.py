@@ -126,6 +126,8 @@ class Scope:
         try:
             return StoreWriter(target, meta, resume=resume, queue_size=queue_size,
                                on_full=on_full)
+        except ValueError:
+            raise  # the writer's own one-line errors (on_full, schema version) name the fix
         except OSError as exc:
             raise ValueError(f"cannot write {target}: {exc}; pass a writable path") from None
         except Exception as exc:  # sqlite3 errors: unwritable, foreign or damaged file

@@ -139,12 +139,13 @@ def _rows(rows: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
         return {"mean": mean.float(), "std": (sq - mean * mean).clamp_min(0.0).sqrt().float(),
                 "abs_max": rows.abs().amax(dim)}
     finite = torch.isfinite(rows)
-    count = finite.sum(dim).clamp_min(1)
+    count = finite.sum(dim)
     z = torch.where(finite, rows, 0.0)
-    mean = z.sum(dim) / count
+    mean = z.sum(dim) / count  # 0 / 0 = NaN: a neuron with no finite value is not shown as 0
     centred = torch.where(finite, rows - mean.unsqueeze(dim), 0.0)
     std = (centred.square().sum(dim) / count).sqrt()
-    return {"mean": mean, "std": std, "abs_max": z.abs().amax(dim)}
+    abs_max = torch.where(count > 0, z.abs().amax(dim), float("nan"))
+    return {"mean": mean, "std": std, "abs_max": abs_max}
 
 
 def array_views(x: torch.Tensor, batch_dim: int | None, max_samples: int,
@@ -161,7 +162,7 @@ def array_views(x: torch.Tensor, batch_dim: int | None, max_samples: int,
     a 0-d tensor has no array views.
     """
     x = x.detach()
-    if x.dim() == 0:
+    if x.dim() == 0 or x.numel() == 0:  # no values, no views (and reshape(0, -1) fails)
         return {}
     xf = x.to(torch.float32)
     views: dict[str, torch.Tensor] = {}

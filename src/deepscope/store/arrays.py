@@ -19,6 +19,8 @@ DTYPES: dict[str, np.dtype] = {
 # bfloat16 (numpy has no such dtype) is stored as its raw 16 bits and widened to float32 on read.
 BFLOAT16 = "bfloat16"
 MAX_NDIM = 8
+# A shape of MAX_NDIM 20-digit dims fits; longer text is crafted, and is refused unparsed.
+MAX_SHAPE_CHARS = 256
 
 
 def encode(array: np.ndarray | torch.Tensor) -> tuple[str, str, bytes]:
@@ -43,10 +45,14 @@ def decode(dtype: str, shape: str, data: bytes) -> np.ndarray:
         bits = decode("int16", shape, data).astype(np.int32) & 0xFFFF
         return (bits << 16).astype(np.uint32).view(np.float32)
     if dtype not in DTYPES:
-        raise CorruptRunError(f"stored array has unknown dtype {dtype!r}; the file is corrupt")
+        raise CorruptRunError(f"stored array has unknown dtype {str(dtype)[:32]!r}; the file is "
+                              "corrupt")
+    if not isinstance(shape, str) or len(shape) > MAX_SHAPE_CHARS:
+        raise CorruptRunError("stored array has an overlong or non-text shape; the file is "
+                              "corrupt")
     try:
         dims = json.loads(shape)
-    except (TypeError, ValueError):
+    except ValueError:
         raise CorruptRunError(
             f"stored array has unreadable shape {shape!r}; the file is corrupt") from None
     if (not isinstance(dims, list) or len(dims) > MAX_NDIM

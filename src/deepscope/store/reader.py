@@ -2,10 +2,13 @@
 
 Readers may run while a writer commits (WAL): they see whole committed steps only. Every value
 that comes out is validated; a bad file raises `CorruptRunError` with one line, never more.
+A file someone sent you is hostile until checked: its tables must be plain tables with our
+columns (no views, generated columns or defaults, which SQLite would evaluate while we read).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sqlite3
 from pathlib import Path
@@ -15,9 +18,94 @@ import numpy as np
 
 from ..errors import CorruptRunError
 from . import arrays
-from .schema import SCHEMA_VERSION
+from .schema import DDL, SCHEMA_VERSION
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
+# Python's sqlite3 raises UnicodeDecodeError instead of DatabaseError when SQLite's message
+# quotes damaged bytes (e.g. "malformed database schema (...)") that are not UTF-8.
+_STORAGE_ERRORS = (sqlite3.DatabaseError, UnicodeDecodeError)
+
+
+def _corrupt(message: str) -> CorruptRunError:
+    """A CorruptRunError whose message is one printable line, whatever the file put in it.
+
+    SQLite quotes damaged schema text in its messages, and paths may hold any character:
+    a newline would break the one-line promise, an escape sequence would reach the terminal.
+    """
+    return CorruptRunError("".join(c if c.isprintable() else "?" for c in message)[:500])
+
+
+@functools.lru_cache(maxsize=1)
+def expected_tables() -> dict[str, tuple[tuple[str, str], ...]]:
+    """{table: ((column, declared type), ...)} as this version's DDL creates them."""
+    con = sqlite3.connect(":memory:")
+    try:
+        con.executescript(DDL)
+        names = [n for (n,) in con.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        return {n: tuple((c[1], c[2]) for c in con.execute(f'PRAGMA table_xinfo("{n}")'))
+                for n in names}
+    finally:
+        con.close()
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    """Connect read-only; fall back to immutable mode only when that cannot hide data."""
+    # as_uri() percent-encodes '?', '#' and '%', which would otherwise end or alter the path.
+    uri = path.resolve().as_uri()
+    con = None
+    try:
+        con = sqlite3.connect(f"{uri}?mode=ro", uri=True, check_same_thread=False)
+        con.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+        return con
+    except sqlite3.OperationalError as exc:
+        if con is not None:
+            con.close()
+        # A read-only disk or a run copied without its -shm file needs immutable mode, but
+        # immutable mode ignores the write-ahead log: with a non-empty log it would silently
+        # drop committed steps, and it would read torn pages of a file still being written.
+        wal = path.with_name(path.name + "-wal")
+        if wal.exists() and wal.stat().st_size > 0:
+            raise _corrupt(
+                f"cannot open {path} read-only together with its write-ahead log ({exc}); "
+                "copy the run folder to a writable place and open the copy") from None
+    return sqlite3.connect(f"{uri}?immutable=1", uri=True, check_same_thread=False)
+
+
+def _check_tables(con: sqlite3.Connection, path: Path, tables: list[str]) -> None:
+    """Refuse files whose `tables` are not exactly the plain tables this version writes."""
+    expected = expected_tables()
+    kinds = dict(con.execute(
+        f"SELECT name, type FROM sqlite_master WHERE name IN ({', '.join('?' * len(tables))})",
+        tables).fetchall())
+    for table in tables:
+        if kinds.get(table) != "table":
+            what = f"a {kinds[table]}" if table in kinds else "missing"
+            raise _corrupt(f"{path} is not a deepscope store: table {table!r} is {what}")
+        # (cid, name, type, notnull, default, pk, hidden): defaults and generated (hidden)
+        # columns are expressions SQLite evaluates on read, so a crafted file must not have any.
+        info = con.execute(f'PRAGMA table_xinfo("{table}")').fetchall()
+        if (tuple((c[1], c[2]) for c in info) != expected[table]
+                or any(c[4] is not None or c[6] != 0 for c in info)):
+            raise _corrupt(
+                f"{path} is not a deepscope store of schema version {SCHEMA_VERSION}: table "
+                f"{table!r} has unexpected columns")
+
+
+def _check_store(con: sqlite3.Connection, path: Path) -> None:
+    """The file is a deepscope store of this schema version, with nothing crafted in it."""
+    for pragma in ("query_only=ON", "trusted_schema=OFF", "cell_size_check=ON"):
+        con.execute(f"PRAGMA {pragma}")
+    # `meta` is checked before it is read (a crafted view could run forever); the other
+    # tables after the version, so a newer deepscope's run asks for an upgrade instead.
+    _check_tables(con, path, ["meta"])
+    version = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+    if version is None:
+        raise _corrupt(f"{path} has no schema version; it is not a deepscope store")
+    if version[0] != str(SCHEMA_VERSION):
+        raise _corrupt(
+            f"{path} has schema version {str(version[0])[:20]!r}; this deepscope reads "
+            f"version {SCHEMA_VERSION} (upgrade deepscope to read newer runs)")
+    _check_tables(con, path, [t for t in expected_tables() if t != "meta"])
 
 
 def open_readonly(path: Path) -> sqlite3.Connection:
@@ -26,31 +114,20 @@ def open_readonly(path: Path) -> sqlite3.Connection:
         with open(path, "rb") as fh:
             head = fh.read(16)
     except OSError as exc:
-        raise CorruptRunError(f"cannot read {path}: {exc.strerror}") from None
+        raise _corrupt(f"cannot read {path}: {exc.strerror}") from None
     if head != _SQLITE_MAGIC:
-        raise CorruptRunError(f"{path} is not a deepscope store (not a SQLite file)")
-    uri = f"file:{path.resolve()}?mode=ro"
+        raise _corrupt(f"{path} is not a deepscope store (not a SQLite file)")
+    con = None
     try:
-        con = sqlite3.connect(uri, uri=True, check_same_thread=False)
-        con.execute("PRAGMA query_only=ON")
-        # A run copied without its -shm/-wal files, or on a read-only disk, needs immutable mode.
-        try:
-            con.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
-        except sqlite3.OperationalError:
+        con = _connect(path)
+        _check_store(con, path)
+        return con
+    except BaseException as exc:
+        if con is not None:
             con.close()
-            con = sqlite3.connect(f"file:{path.resolve()}?immutable=1", uri=True,
-                                  check_same_thread=False)
-        con.execute("PRAGMA trusted_schema=OFF")
-        version = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-    except sqlite3.DatabaseError as exc:
-        raise CorruptRunError(f"{path} is not a readable deepscope store ({exc})") from None
-    if version is None:
-        raise CorruptRunError(f"{path} has no schema version; it is not a deepscope store")
-    if version[0] != str(SCHEMA_VERSION):
-        raise CorruptRunError(
-            f"{path} has schema version {version[0]!r}; this deepscope reads version "
-            f"{SCHEMA_VERSION} (upgrade deepscope to read newer runs)")
-    return con
+        if isinstance(exc, _STORAGE_ERRORS):
+            raise _corrupt(f"{path} is not a readable deepscope store ({exc})") from None
+        raise
 
 
 class StoreReader:
@@ -67,11 +144,12 @@ class StoreReader:
         """Run a read query; storage errors become a one-line CorruptRunError."""
         try:
             return self._con.execute(sql, params).fetchall()
-        except sqlite3.DatabaseError as exc:
-            raise CorruptRunError(f"{self.path}: cannot read ({exc}); the file is damaged") \
+        except _STORAGE_ERRORS as exc:
+            raise _corrupt(f"{self.path}: cannot read ({exc}); the file is damaged") \
                 from None
 
     def meta(self) -> dict[str, Any]:
+        """The run's key/value metadata; values that are not JSON come back as stored."""
         out: dict[str, Any] = {}
         for key, value in self.query("SELECT key, value FROM meta"):
             if key == "schema_version":
@@ -79,21 +157,53 @@ class StoreReader:
                 continue
             try:
                 out[key] = json.loads(value)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, RecursionError):
                 out[key] = value
         return out
 
     def decode_array(self, dtype: Any, shape: Any, data: Any) -> np.ndarray:
+        """A stored array, validated (see `arrays.decode`)."""
         if not isinstance(dtype, str) or not isinstance(shape, str):
-            raise CorruptRunError(f"{self.path}: array metadata has the wrong type; file damaged")
+            raise _corrupt(f"{self.path}: array metadata has the wrong type; file damaged")
         return arrays.decode(dtype, shape, data)
+
+    def decode_slice(self, dtype: Any, shape: Any, offset: Any, nbytes: Any, blob_size: Any,
+                     data: Any) -> np.ndarray:
+        """An array stored as bytes [offset, offset + nbytes) of its step's blob.
+
+        SQL's substr() counts a negative start or length from the other end, so the bounds
+        are checked here: a crafted row must not read another array's bytes.
+        """
+        bounds = (offset, nbytes, blob_size)
+        if not (all(isinstance(v, int) and v >= 0 for v in bounds)
+                and offset + nbytes <= blob_size):
+            raise _corrupt(f"{self.path}: an array points outside its step's data "
+                           f"(offset {offset!r}, {nbytes!r} bytes of {blob_size!r}); the file "
+                           "is damaged")
+        return self.decode_array(dtype, shape, data)
 
     @staticmethod
     def decode_json(text: Any, what: str) -> Any:
+        """Parse stored JSON text; anything else is a one-line CorruptRunError."""
         if not isinstance(text, str):
-            raise CorruptRunError(f"stored {what} is not text; the file is damaged")
+            raise _corrupt(f"stored {what} is not text; the file is damaged")
         try:
             return json.loads(text)
-        except ValueError:
-            raise CorruptRunError(f"stored {what} is not valid JSON; the file is damaged") \
+        except (ValueError, RecursionError):  # RecursionError: crafted, deeply nested JSON
+            raise _corrupt(f"stored {what} is not valid JSON; the file is damaged") \
                 from None
+
+    @classmethod
+    def decode_graph(cls, text: Any) -> dict[str, Any]:
+        """A stored dependency graph, with the structure `Run.graph` relies on checked."""
+        body = cls.decode_json(text, "graph")
+        tensors = body.get("tensors") if isinstance(body, dict) else None
+        edges = body.get("edges") if isinstance(body, dict) else None
+        if not (isinstance(tensors, list) and isinstance(edges, list)
+                and all(isinstance(t, dict)
+                        and all(isinstance(t.get(k), str) for k in ("name", "role", "node"))
+                        for t in tensors)
+                and all(isinstance(e, dict) and isinstance(e.get("source"), str)
+                        and isinstance(e.get("target"), str) for e in edges)):
+            raise _corrupt("stored graph has the wrong structure; the file is damaged")
+        return body

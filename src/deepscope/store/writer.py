@@ -235,7 +235,8 @@ class StoreWriter:
                 self._write_anomalies(item.rows)
             con.execute("COMMIT")
         except BaseException:
-            con.execute("ROLLBACK")
+            if con.in_transaction:  # SQLite itself rolls back on SQLITE_FULL / IOERR
+                con.execute("ROLLBACK")
             raise
         if isinstance(item, StepPayload):
             self.committed_steps += 1

@@ -1,0 +1,410 @@
+"""Hostile and corrupt input: opening a recording someone sent you never runs code, never
+crashes, never allocates what the file merely declares — it reads, or says in one line why not.
+
+The damaged files are copies of one small real run (tests/stress/fuzz_store.py makes it);
+the crafted ones are that run edited with SQL. Hypothesis flips bytes and truncates it, and
+throws random metadata at the array decoder.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import sqlite3
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import deepscope
+from deepscope import CorruptRunError
+from deepscope.store import arrays, reader
+from deepscope.store.reader import StoreReader
+from tests.stress import fuzz_store, workload
+
+PACKAGE = Path(deepscope.__file__).parent
+FUZZ = settings(deadline=None, derandomize=True, max_examples=100)
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory) -> bytes:
+    """The bytes of a small, complete, cleanly closed run file."""
+    return fuzz_store.make_sample_run(tmp_path_factory.mktemp("sample")).read_bytes()
+
+
+@pytest.fixture(scope="module")
+def trial(tmp_path_factory) -> fuzz_store.Trial:
+    return fuzz_store.Trial(tmp_path_factory.mktemp("trial"))
+
+
+def run_with(tmp_path: Path, data: bytes, *sql: str) -> Path:
+    """A run folder holding `data` as its rank file, edited by `sql` statements."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(exist_ok=True)
+    (run_dir / "rank0.sqlite").write_bytes(data)
+    if sql:
+        con = sqlite3.connect(run_dir / "rank0.sqlite")
+        for statement in sql:
+            con.execute(statement)
+        con.commit()
+        con.close()
+    return run_dir
+
+
+def refusal(run_dir: Path) -> str:
+    """The one-line CorruptRunError reading `run_dir` raises."""
+    with pytest.raises(CorruptRunError) as e:
+        fuzz_store.read_everything(run_dir)
+    message = str(e.value)
+    assert message.isprintable(), repr(message)  # one line, no control characters
+    return message
+
+
+# --- not a store, damaged, from elsewhere -------------------------------------------------
+NOT_SQLITE = "is not a deepscope store (not a SQLite file)"
+
+
+@pytest.mark.parametrize("data, expected", [
+    (b"", NOT_SQLITE), (b"garbage" * 10, NOT_SQLITE),
+    (b"\x89PNG\r\n\x1a\n" + bytes(100), NOT_SQLITE), (bytes(range(256)) * 16, NOT_SQLITE),
+    (b"SQLite format 3\x00" + bytes(4080), "is not a readable deepscope store (file is not a "
+                                           "database)"),
+], ids=["empty", "text", "png", "binary", "sqlite-magic-then-zeros"])
+def test_non_sqlite_files_are_refused(tmp_path, data, expected):
+    assert expected in refusal(run_with(tmp_path, data))
+
+
+@pytest.mark.parametrize("keep", [100, 4096, 0.5, -4096], ids=["header", "page1", "half",
+                                                               "last-page-gone"])
+def test_truncated_files_are_refused(tmp_path, sample, keep):
+    cut = int(len(sample) * keep) if isinstance(keep, float) else keep % len(sample)
+    refusal(run_with(tmp_path, sample[:cut]))
+
+
+def test_another_apps_sqlite_file_is_refused(tmp_path):
+    path = tmp_path / "run" / "rank0.sqlite"
+    path.parent.mkdir()
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE contacts (name TEXT)")
+    con.close()
+    assert "is not a deepscope store: table 'meta' is missing" in refusal(path.parent)
+
+
+def test_a_newer_schema_version_asks_for_an_upgrade(tmp_path, sample):
+    run_dir = run_with(tmp_path, sample,
+                       "UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    assert "has schema version '99'; this deepscope reads version 1 (upgrade deepscope" \
+        in refusal(run_dir)
+    with pytest.raises(ValueError, match="schema version 99.*new run name"):
+        deepscope.Scope(tmp_path, "run", resume=True)  # and the writer will not touch it
+
+
+# --- crafted schemas: SQL that SQLite would evaluate while we read --------------------------
+INFINITE_VIEW = ("CREATE VIEW steps AS WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 "
+                 "FROM n) SELECT i AS step, 'k' AS kind, 0.0 AS wall_time, 1 AS iterations FROM n")
+HUGE_GENERATED = ("CREATE TABLE kpis (name TEXT NOT NULL, step INTEGER NOT NULL, kind TEXT NOT "
+                  "NULL, value REAL GENERATED ALWAYS AS (length(printf('%.*c', 900000000, 'x')))"
+                  " VIRTUAL, PRIMARY KEY (name, step))")
+DEFAULTED = ("CREATE TABLE notes (id INTEGER PRIMARY KEY, wall_time REAL NOT NULL, step INTEGER,"
+             " text TEXT NOT NULL DEFAULT (printf('%.*c', 900000000, 'x')))")
+
+
+@pytest.mark.parametrize("sql, expected", [
+    (("DROP TABLE steps", INFINITE_VIEW), "table 'steps' is a view"),
+    (("DROP TABLE meta", "CREATE VIEW meta AS SELECT 'schema_version' AS key, '1' AS value"),
+     "table 'meta' is a view"),
+    (("DROP TABLE kpis", HUGE_GENERATED), "table 'kpis' has unexpected columns"),
+    (("DROP TABLE notes", DEFAULTED), "table 'notes' has unexpected columns"),
+    (("DROP TABLE anomalies",), "table 'anomalies' is missing"),
+], ids=["view-for-table", "view-for-meta", "generated-column", "default-expression",
+        "missing-table"])
+def test_crafted_schemas_are_refused_before_any_query(tmp_path, sample, sql, expected):
+    assert expected in refusal(run_with(tmp_path, sample, *sql))
+
+
+# --- crafted array metadata ------------------------------------------------------------------
+def input_samples(column: str, value: object) -> str:
+    """SQL setting `column` of the stored samples of `input` at step 0."""
+    return (f"UPDATE arrays SET {column} = {value} WHERE view = 'samples' AND step = 0 AND "
+            "tensor_id = (SELECT id FROM tensors WHERE name = 'input')")
+
+
+@pytest.mark.parametrize("column, value, expected", [
+    ("shape", "'[1073741824, 1073741824]'", "declares shape"),
+    ("shape", "'[-1]'", "invalid shape"),
+    ("shape", "'[true]'", "invalid shape"),
+    ("shape", "'[2.5]'", "invalid shape"),
+    ("shape", "'[1,1,1,1,1,1,1,1,1]'", "invalid shape"),
+    ("shape", "'{\"dims\": 2}'", "invalid shape"),
+    ("shape", "'not json'", "unreadable shape"),
+    ("shape", "'[' || replace(hex(zeroblob(5000)), '00', '[')", "overlong"),
+    ("shape", "x'5b315d'", "wrong type"),
+    ("dtype", "'object'", "unknown dtype"),
+    ("dtype", "'complex128'", "unknown dtype"),
+    ("dtype", "'>f4'", "unknown dtype"),
+    ("offset", "(SELECT length(data) FROM step_blobs WHERE step = 0) + 8",
+     "holds 0 bytes|points outside"),
+    ("nbytes", "nbytes + 4", "declares shape|points outside"),
+    ("offset", "offset + 4", None),  # misaligned: must still be the declared size or refused
+], ids=lambda v: str(v)[:24])
+def test_crafted_array_metadata_is_refused(tmp_path, sample, column, value, expected):
+    with deepscope.open_run(run_with(tmp_path, sample, input_samples(column, value))) as run:
+        try:
+            arr = run.values("input", 0, view="samples")
+        except CorruptRunError as e:
+            assert expected is None or re.search(expected, str(e))
+            assert str(e).isprintable()
+        else:
+            assert expected is None and arr.shape == (workload.MAX_SAMPLES, 6)
+
+
+def test_a_huge_declared_array_allocates_nothing(tmp_path, sample):
+    """1 GiB declared over a few bytes: refused without allocating the declared size."""
+    run_dir = run_with(tmp_path, sample, input_samples("shape", "'[268435456]'"))
+    with deepscope.open_run(run_dir) as run:
+        tracemalloc.start()
+        try:
+            with pytest.raises(CorruptRunError, match="1073741824 bytes"):
+                run.values("input", 0, view="samples")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < 8 * 2**20
+
+
+@pytest.mark.parametrize("offset, nbytes, shape", [(-9, 8, "'[2]'"), (56, -48, "'[2, 6]'")],
+                         ids=["negative-offset", "negative-length"])
+def test_offsets_and_lengths_outside_the_blob_are_refused(tmp_path, sample, offset, nbytes,
+                                                          shape):
+    sql = [input_samples("offset", offset), input_samples("nbytes", nbytes),
+           input_samples("shape", shape)]
+    with deepscope.open_run(run_with(tmp_path, sample, *sql)) as run:
+        with pytest.raises(CorruptRunError):
+            run.values("input", 0, view="samples")
+
+
+@pytest.mark.parametrize("offset, nbytes, size", [(-8, 8, 64), (8, -8, 64), (60, 8, 64),
+                                                  (0, 8, None), ("0", 8, 64)])
+def test_decode_slice_refuses_bytes_outside_the_blob(tmp_path, sample, offset, nbytes, size):
+    reader_ = StoreReader(run_with(tmp_path, sample) / "rank0.sqlite")
+    assert reader_.decode_slice("float32", "[2]", 56, 8, 64, bytes(8)).tolist() == [0, 0]
+    with pytest.raises(CorruptRunError, match="points outside its step's data"):
+        reader_.decode_slice("float32", "[2]", offset, nbytes, size, bytes(8))
+    reader_.close()
+
+
+def test_a_listed_view_without_data_is_reported_as_damage(tmp_path, sample):
+    with deepscope.open_run(run_with(tmp_path, sample, "DELETE FROM step_blobs")) as run:
+        assert "samples" in run.views("input", 0)
+        with pytest.raises(CorruptRunError):
+            run.values("input", 0, view="samples")
+
+
+def test_histogram_stored_as_text_is_refused(tmp_path, sample):
+    run_dir = run_with(tmp_path, sample, "UPDATE quantity_arrays SET data = 'abcd'")
+    with deepscope.open_run(run_dir) as run, pytest.raises(CorruptRunError, match="not a blob"):
+        run.histogram("GradHist1d", 1, "0.weight")
+
+
+# --- crafted JSON ----------------------------------------------------------------------------
+def test_invalid_and_deeply_nested_json_is_refused_or_kept_as_text(tmp_path, sample):
+    deep = "'" + "[" * 100_000 + "'"
+    run_dir = run_with(tmp_path, sample, f"UPDATE graphs SET body = {deep}",
+                       f"UPDATE meta SET value = {deep} WHERE key = 'run'")
+    with deepscope.open_run(run_dir) as run:
+        assert run.meta()["run"] == "[" * 100_000  # not JSON: the raw text, no RecursionError
+        with pytest.raises(CorruptRunError, match="stored graph is not valid JSON"):
+            run.graph(0)
+
+
+@pytest.mark.parametrize("body", ['[]', '{"tensors": [1], "edges": []}',
+                                  '{"tensors": [{"name": "a"}], "edges": []}',
+                                  '{"tensors": [], "edges": [{"source": 1}]}', '"text"'])
+def test_decode_graph_checks_the_structure(body):
+    with pytest.raises(CorruptRunError, match="wrong structure"):
+        StoreReader.decode_graph(body)
+
+
+def test_decode_graph_accepts_a_recorded_graph(tmp_path, sample):
+    with deepscope.open_run(run_with(tmp_path, sample)) as run:
+        body = StoreReader(run.path / "rank0.sqlite").query("SELECT body FROM graphs")[0][0]
+        assert StoreReader.decode_graph(body) == json.loads(body)
+
+
+def test_a_graph_that_is_json_but_not_a_graph_is_refused(tmp_path, sample):
+    with deepscope.open_run(run_with(tmp_path, sample, "UPDATE graphs SET body = '[]'")) as run:
+        with pytest.raises(CorruptRunError):
+            run.graph(0)
+
+
+# --- names are data, never SQL or markup -----------------------------------------------------
+HOSTILE_NAMES = ["x'); DROP TABLE steps; --", 'y" OR 1=1 --', "z\n\x1b[31mred", "../../etc"]
+
+
+def test_sql_and_control_characters_in_names_are_plain_data(tmp_path):
+    with deepscope.Scope(tmp_path, "r", schedule=1) as scope:
+        scope.note(HOSTILE_NAMES[0])
+        with scope.step(0, kind=HOSTILE_NAMES[1]) as rec:
+            for i, name in enumerate(HOSTILE_NAMES):
+                rec.tensor(name, torch.full((2, 2), float(i)), role="input")
+                rec.kpi(name, i)
+    run = deepscope.open_run(tmp_path / "r")
+    assert list(run.tensors()["name"]) == HOSTILE_NAMES
+    assert run.kinds() == [HOSTILE_NAMES[1]] and run.steps() == [0]
+    assert list(run.notes()["text"]) == [HOSTILE_NAMES[0]]
+    for i, name in enumerate(HOSTILE_NAMES):
+        assert (run.values(name, 0, view="samples") == i).all()
+        assert run.kpis(name)["value"].tolist() == [i]
+
+
+def test_project_paths_with_uri_characters_open_the_right_file(tmp_path):
+    project = tmp_path / "exp?mode=rw#1 %41"
+    with deepscope.Scope(project, "r", schedule=1) as scope:
+        with scope.step(3) as rec:
+            rec.tensor("x", torch.ones(2), role="input")
+    assert deepscope.open_run(project / "r").steps() == [3]
+
+
+# --- read-only disks: immutable mode only where it cannot hide committed steps --------------
+@pytest.fixture
+def read_only_disk(monkeypatch):
+    """Make every mode=ro open fail, as on a read-only disk without the -shm file."""
+    connect = sqlite3.connect
+
+    def fake(database: str, *args: object, **kwargs: object) -> sqlite3.Connection:
+        if "mode=ro" in str(database):
+            raise sqlite3.OperationalError("unable to open database file")
+        return connect(database, *args, **kwargs)
+    monkeypatch.setattr(reader.sqlite3, "connect", fake)
+
+
+def test_read_only_disk_reads_a_closed_run(tmp_path, sample, read_only_disk):
+    assert fuzz_store.read_everything(run_with(tmp_path, sample)) > 0
+
+
+def test_read_only_disk_never_hides_a_write_ahead_log(tmp_path, read_only_disk):
+    copy = workload.crashed_copy(tmp_path)
+    assert (copy / "rank0.sqlite-wal").stat().st_size > 0
+    assert "write-ahead log" in refusal(copy)
+
+
+def test_a_crashed_copy_shows_every_committed_step(tmp_path):
+    with deepscope.open_run(workload.crashed_copy(tmp_path)) as run:
+        assert run.steps() == [0]
+        workload.check_steps(run, 0, [0])
+
+
+# --- property tests ----------------------------------------------------------------------------
+@FUZZ
+@given(st.data())
+def test_flipped_bytes_read_or_refuse_in_one_line(sample, trial, data):
+    targets = fuzz_store.structural_offsets(sample)
+    position = st.one_of(st.integers(0, len(sample) - 1), st.sampled_from(targets))
+    flips = data.draw(st.lists(st.tuples(position, st.integers(1, 255)), min_size=1,
+                               max_size=8))
+    trial.read(fuzz_store.flip(sample, flips))  # raises on anything but a one-line refusal
+
+
+@settings(FUZZ, max_examples=40)
+@given(st.data())
+def test_truncated_or_zeroed_files_read_or_refuse_in_one_line(sample, trial, data):
+    if data.draw(st.booleans()):
+        trial.read(sample[:data.draw(st.integers(0, len(sample) - 1))])
+    else:
+        trial.read(fuzz_store.zero_page(sample, data.draw(st.integers(0, 64))))
+
+
+DTYPE_NAMES = [*arrays.DTYPES, arrays.BFLOAT16]
+
+
+@settings(deadline=None, derandomize=True, max_examples=400)
+@given(st.data())
+def test_decode_returns_what_is_declared_or_refuses(data):
+    dtype = data.draw(st.one_of(st.sampled_from(DTYPE_NAMES), st.text(max_size=12)))
+    dims = data.draw(st.lists(st.integers(-2, 2**62), max_size=10))
+    shape = data.draw(st.one_of(st.just(json.dumps(dims)), st.text(max_size=40)))
+    itemsize = 2 if dtype == arrays.BFLOAT16 else getattr(arrays.DTYPES.get(dtype), "itemsize", 1)
+    size = int(np.prod(dims, dtype=object)) * itemsize if dims and min(dims) >= 0 else 0
+    blob = data.draw(st.one_of(st.binary(max_size=64),
+                               st.binary(min_size=size, max_size=size) if size <= 4096
+                               else st.nothing()))
+    try:
+        arr = arrays.decode(dtype, shape, blob)
+    except CorruptRunError as e:
+        assert str(e).isprintable()
+        return
+    assert list(arr.shape) == json.loads(shape) and arr.size * itemsize == len(blob)
+
+
+@settings(deadline=None, derandomize=True, max_examples=100)
+@given(st.sampled_from(list(arrays.DTYPES)), st.lists(st.integers(0, 4), max_size=4),
+       st.randoms(use_true_random=False))
+def test_encode_decode_round_trip(dtype, dims, rnd):
+    values = np.array([rnd.uniform(-100, 100) for _ in range(int(np.prod(dims)))])
+    arr = values.astype(dtype).reshape(dims)
+    name, shape, blob = arrays.encode(arr)
+    np.testing.assert_array_equal(arrays.decode(name, shape, blob), arr)
+
+
+# --- no code execution anywhere in the package ----------------------------------------------
+UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "marshal", "shelve",
+                  "joblib"}
+UNSAFE_CALLS = {"eval", "exec", "compile", "__import__", "torch.load", "torch.jit.load",
+                "pd.read_pickle", "pandas.read_pickle", "yaml.load", "yaml.unsafe_load"}
+NUMPY_LOADS = {"np.load", "numpy.load"}  # unsafe only with allow_pickle
+
+
+def pickles(call: ast.Call) -> bool:
+    """True for np.load(..., allow_pickle=<anything but False>)."""
+    return any(k.arg == "allow_pickle" and not (isinstance(k.value, ast.Constant)
+                                                and k.value.value is False)
+               for k in call.keywords)
+
+
+def dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{dotted(node.value)}.{node.attr}"
+    return ""
+
+
+def unsafe_uses(source: str) -> list[str]:
+    """What in `source` can turn stored bytes into running code (imports and calls)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] in UNSAFE_MODULES]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] \
+                in UNSAFE_MODULES:
+            found.append(node.module or "")
+        elif isinstance(node, ast.Call):
+            name = dotted(node.func)
+            if (name in UNSAFE_CALLS or name.endswith("enable_load_extension")
+                    or (name in NUMPY_LOADS and pickles(node))):
+                found.append(f"{name}() at line {node.lineno}")
+    return found
+
+
+def test_the_scanner_finds_what_it_looks_for():
+    source = ("import pickle\nfrom marshal import loads\nx = torch.load(f)\n"
+              "np.load(f, allow_pickle=True)\neval('1')\ncon.enable_load_extension(True)\n"
+              "model.eval()\nre.compile('x')\njson.loads(s)\nnp.load(f)\n"
+              "np.load(f, allow_pickle=False)\n")
+    assert unsafe_uses(source) == ["pickle", "marshal", "torch.load() at line 3",
+                                   "np.load() at line 4", "eval() at line 5",
+                                   "con.enable_load_extension() at line 6"]
+
+
+def test_no_code_execution_paths_in_the_package():
+    found = {str(p.relative_to(PACKAGE)): uses for p in sorted(PACKAGE.rglob("*.py"))
+             if (uses := unsafe_uses(p.read_text()))}
+    assert found == {}
+    scripts = {p.name for p in PACKAGE.rglob("*.js")
+               if "eval(" in (text := p.read_text()) or "new Function(" in text}
+    assert scripts == set()
