@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..anomalies.monitor import HealthMonitor
 from ..hookstate import hooks_paused
 from ..store.layout import check_run_name, rank_file, rank_files
 from ..store.writer import StoreWriter
@@ -43,10 +44,13 @@ class Scope:
     on_full: "block" (back-pressure) or "drop" (drop whole steps) when the writer lags.
     exact_views: store per-neuron / per-sample aggregate views as float32 instead of
         bfloat16 (twice the bytes). Statistics and sample values are always exact.
-    anomalies: the always-on health check of the watched model (non-finite loss or gradients
-        traced to their first tensor, gradient / loss / activation detectors). After a
-        non-finite step the next `record_next` steps are recorded in full. `on_anomaly(finding)`
-        is called for every finding; raise from it to stop training.
+    anomalies: the health check of the watched model. "check" (default): non-finite loss or
+        gradients every step (the first non-finite gradient is named) plus the gradient /
+        loss / activation detectors every 10 steps; "trace": also hooks every module to name
+        the *first* tensor, forward or backward, where a non-finite value appears (costs
+        more: ~20% on a small MLP); False/None: off. After a non-finite step the next
+        `record_next` steps are recorded in full. `on_anomaly(finding)` is called for every
+        finding; raise `deepscope.anomalies.StopTraining` from it to stop training.
     """
 
     def __init__(self, path: str | Path = "runs", run: str = "run", *,
@@ -60,7 +64,7 @@ class Scope:
                  overwrite: bool = False, resume: bool = False,
                  rank: int | None = None, queue_size: int = 32, on_full: str = "block",
                  singular_values: bool = False, max_neurons: int = DEFAULT_MAX_NEURONS,
-                 exact_views: bool = False, anomalies: bool = True,
+                 exact_views: bool = False, anomalies: str | bool | None = "check",
                  on_anomaly: Callable[[Any], None] | None = None, record_next: int = 3,
                  seed: int = 0) -> None:
         check_run_name(run)
@@ -84,7 +88,9 @@ class Scope:
         self._seed = seed
         self.instruments: Any = None
         self.monitor: Any = None
-        self._anomalies = anomalies
+        if anomalies not in (None, False, True, "check", "trace"):
+            raise ValueError(f"anomalies must be 'check', 'trace' or False, not {anomalies!r}")
+        self._anomalies = "check" if anomalies is True else (anomalies or None)
         self._on_anomaly = on_anomaly
         self._record_next = record_next
         self._force_record = 0
@@ -163,13 +169,9 @@ class Scope:
                 self._module_hooks.append(
                     module.register_forward_hook(self._activation_hook(path, not mpath)))
         if self._anomalies and self.monitor is None:
-            try:  # TEMPORARY until the anomalies package lands
-                from ..anomalies.monitor import HealthMonitor
-            except ModuleNotFoundError:
-                HealthMonitor = None
-        if self._anomalies and self.monitor is None and HealthMonitor is not None:
             self.monitor = HealthMonitor(model, prefix=name or "", root_name=name or "model",
-                                         record_next=self._record_next)
+                                         record_next=self._record_next,
+                                         trace=self._anomalies == "trace")
         if self._instrument_spec is not None and self.instruments is None:
             from ..instruments.suite import Instruments  # heavy; only when asked for
             self.instruments = Instruments(
@@ -245,12 +247,13 @@ class Scope:
                 return
         self.writer.submit_quantities(quantities)
 
-    def _check_health(self, step: int) -> None:
-        """Store the monitor's findings; the user's callback runs outside our guard so that it
-        can stop training."""
+    def _check_health(self, step: int | None) -> None:
+        """Store the monitor's findings (step None: what is still held, at close); the user's
+        callback runs outside our guard so that it can stop training."""
         if self.monitor is None:
             return
-        result = self._guard(self.monitor.finish, step)
+        result = self._guard(self.monitor.finish if step is not None else self.monitor.flush,
+                             *([step] if step is not None else []))
         if result is _FAILED:
             return
         findings, record_next = result
@@ -321,6 +324,7 @@ class Scope:
             h.remove()
         self._module_hooks.clear()
         self._send_kpis()
+        self._check_health(None)
         for part in (self.instruments, self.monitor):
             if part is not None:
                 self._guard(part.close)

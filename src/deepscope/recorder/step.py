@@ -153,7 +153,7 @@ class StepRecorder:
             # found through saved tensors only.
             self.scope._guard(self._attach_saved)
         if self.scope.monitor is not None:
-            self.scope._guard(self.scope.monitor.loss, loss)
+            self.scope._guard(self.scope.monitor.loss, loss, name)
         if self._instrumented:
             # Bad input must reach the user; internal failures are handled inside Instruments.
             self.scope.instruments.loss(loss, per_sample)

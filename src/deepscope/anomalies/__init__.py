@@ -1,0 +1,22 @@
+"""Training health: the first NaN/Inf traced to its origin, spikes and vanishing gradients.
+
+`HealthMonitor` (driven by `deepscope.Scope(..., anomalies=True)` or by hand) checks every
+step at bounded cost and writes `Finding` rows; `deepscope doctor RUN` reports them. The
+detectors and their default thresholds are documented in `deepscope.anomalies.detectors`.
+"""
+
+from .detectors import (
+    RELU_LIKE,
+    DeadUnits,
+    Detector,
+    GradientNorm,
+    LossSpike,
+    StepContext,
+    UpdateRatio,
+    default_detectors,
+)
+from .findings import Finding, StopTraining
+from .monitor import HealthMonitor
+
+__all__ = ["RELU_LIKE", "DeadUnits", "Detector", "Finding", "GradientNorm", "HealthMonitor",
+           "LossSpike", "StepContext", "StopTraining", "UpdateRatio", "default_detectors"]

@@ -1,0 +1,330 @@
+"""Detectors: cheap per-step judgements of training health, each producing `Finding` rows.
+
+The `HealthMonitor` runs them every `detector_every` steps (a *detector step*), except those
+marked `every_step`. Histories are kept per step kind (train and eval losses differ) and
+compare a value with the median of the last `window` checks *before* it, so one outlier does
+not move the baseline. A tensor is reported once per episode: when it turns anomalous, not
+again until a check finds it normal. Defaults:
+
+| finding              | value                                     | flagged when      | history |
+|----------------------|-------------------------------------------|-------------------|---------|
+| `exploding_gradient` | ‖∇θ‖ / median of past checks, per param   | ratio ≥ 10        | 20 (5)  |
+| `vanishing_gradient` | same ratio                                | ratio ≤ 0.01      | 20 (5)  |
+| `loss_spike`         | loss / median of past losses, every step  | ratio ≥ 3         | 50 (10) |
+| `saturation`         | share of exact zeros, ReLU-like output    | ≥ 0.95            | -       |
+| `dead_units`         | share of units zero for every batch item  | ≥ 0.5, batch ≥ 8  | -       |
+| `update_ratio`       | ‖Δθ‖ / ‖θ‖ per weight (dim ≥ 2)           | < 1e-6 or > 0.1   | -       |
+
+history: window of past checks (minimum needed before judging); checks are per step kind.
+
+`exploding_gradient` and `loss_spike` are *acute*: a finding makes the recorder record the
+next steps in full (as `nonfinite` does). The loss spike runs every step because the loss
+value reaches the host with the health check anyway, and the gradient norms are the ones the
+health check computes: neither costs an extra pass or sync.
+
+Write your own by subclassing `Detector`: `begin` (before the forward of a detector step),
+`observe` (each module output of that forward), `measure` (after the optimiser step: device
+tensors, fetched in the monitor's one host transfer) and `judge` (host floats -> findings).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from .findings import Finding
+
+# Activations whose "off" state is an exact zero, so zero counts mean what they say.
+RELU_LIKE: tuple[type[nn.Module], ...] = (nn.ReLU, nn.ReLU6, nn.Hardswish, nn.Hardsigmoid)
+
+
+@dataclass
+class StepContext:
+    """What a detector sees of one step.
+
+    params: every watched trainable parameter by full dotted name. grads: names of those whose
+    gradient changed in this step (a backward reached them), in model order (empty in
+    `begin`). In `judge` only: loss, the loss as a float (None if no loss was given), and
+    grad_norms, the L2 norm of each of those gradients (fetched with the health check).
+    """
+
+    step: int
+    kind: str
+    params: dict[str, Tensor]
+    grads: list[str] = field(default_factory=list)
+    loss: float | None = None
+    loss_name: str = "loss"
+    grad_norms: dict[str, float] = field(default_factory=dict)
+
+
+class Detector:
+    """Base class of the detectors; override the hooks you need.
+
+    name: the detector's name (custom detectors report under it). acute: the finding detector
+    names that make the recorder record the next steps in full. every_step: run on every
+    step, not only on detector steps. observes_outputs: receive `observe` calls.
+    """
+
+    name: ClassVar[str] = "detector"
+    acute: ClassVar[frozenset[str]] = frozenset()
+    every_step: ClassVar[bool] = False
+    observes_outputs: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._active: set[Hashable] = set()
+
+    def begin(self, ctx: StepContext) -> None:
+        """Before the forward of a step this detector runs on (e.g. snapshot parameters)."""
+
+    def observe(self, path: str, module: nn.Module, output: Tensor) -> None:
+        """One floating-point output of `module` (named `path`) in that step's forward."""
+
+    def measure(self, ctx: StepContext) -> dict[str, Tensor]:
+        """After the optimiser step: device tensors (any shape) to fetch with the health check.
+
+        Never synchronise here: the monitor fetches everything in one transfer (deferred by a
+        step on CUDA, so `judge` may run one step later)."""
+        return {}
+
+    def judge(self, ctx: StepContext, values: dict[str, list[float]]) -> list[Finding]:
+        """Host side: the flattened values `measure` returned, by the same keys."""
+        return []
+
+    def abort(self) -> None:
+        """Drop per-step state: the step failed or was not finite."""
+
+    def _episode(self, key: Hashable, anomalous: bool) -> bool:
+        """True when `key` turns anomalous; report once per episode, not once per check."""
+        if not anomalous:
+            self._active.discard(key)
+            return False
+        if key in self._active:
+            return False
+        self._active.add(key)
+        return True
+
+
+class _History:
+    """The last `window` values per key; the median is over values before the current one."""
+
+    def __init__(self, window: int, min_history: int) -> None:
+        if window < 1 or not 1 <= min_history <= window:
+            raise ValueError(f"need window >= 1 and 1 <= min_history <= window, got "
+                             f"window={window}, min_history={min_history}")
+        self.window, self.min_history = window, min_history
+        self._values: dict[Hashable, deque[float]] = {}
+
+    def ratio(self, key: Hashable, value: float) -> tuple[float | None, float, int]:
+        """(value / median of the history, that median, history length), then remember
+        `value`. The ratio is None while the history is shorter than `min_history` or its
+        median is not positive (a ratio to zero or to a negative loss means nothing)."""
+        past = self._values.setdefault(key, deque(maxlen=self.window))
+        n = len(past)
+        median = statistics.median(past) if n >= self.min_history else math.nan
+        past.append(value)
+        return (value / median if median > 0 else None), median, n
+
+
+class GradientNorm(Detector):
+    """Exploding / vanishing gradients: each parameter's gradient norm against its own history.
+
+    explode: ratio ≥ this is `exploding_gradient` (acute). vanish: ratio ≤ this is
+    `vanishing_gradient`. window / min_history: how many past checks form the median, and how
+    many are needed before judging.
+    """
+
+    name = "gradient_norm"
+    acute = frozenset({"exploding_gradient"})
+
+    def __init__(self, explode: float = 10.0, vanish: float = 0.01, window: int = 20,
+                 min_history: int = 5) -> None:
+        super().__init__()
+        if not 0 <= vanish < 1 < explode:
+            raise ValueError(f"need 0 <= vanish < 1 < explode, got vanish={vanish}, "
+                             f"explode={explode}")
+        self.explode, self.vanish = explode, vanish
+        self._history = _History(window, min_history)
+
+    def judge(self, ctx: StepContext, values: dict[str, list[float]]) -> list[Finding]:
+        found = []
+        for name, norm in ctx.grad_norms.items():  # computed by the health check anyway
+            ratio, median, n = self._history.ratio((ctx.kind, name), norm)
+            if ratio is None:
+                continue
+            window = f"the median {median:.3g} of its previous {n} checks"
+            if self._episode((ctx.kind, name, "explode"), ratio >= self.explode):
+                found.append(Finding(
+                    ctx.step, name, "exploding_gradient", ratio, self.explode,
+                    f"gradient norm of {name} is {norm:.3g}, {ratio:.3g}× {window}"))
+            if self._episode((ctx.kind, name, "vanish"), ratio <= self.vanish):
+                found.append(Finding(
+                    ctx.step, name, "vanishing_gradient", ratio, self.vanish,
+                    f"gradient norm of {name} fell to {norm:.3g}, {ratio:.3g}× {window}"))
+        return found
+
+
+class LossSpike(Detector):
+    """The loss against the median of the last `window` losses of the same step kind.
+
+    ratio: loss / median ≥ this is a `loss_spike` (acute). Losses whose median is not
+    positive are not judged (the ratio would mean nothing).
+    """
+
+    name = "loss_spike"
+    acute = frozenset({"loss_spike"})
+    every_step = True
+
+    def __init__(self, ratio: float = 3.0, window: int = 50, min_history: int = 10) -> None:
+        super().__init__()
+        if ratio <= 1:
+            raise ValueError(f"a loss spike ratio must be > 1, got {ratio}")
+        self.ratio = ratio
+        self._history = _History(window, min_history)
+
+    def judge(self, ctx: StepContext, values: dict[str, list[float]]) -> list[Finding]:
+        if ctx.loss is None:
+            return []
+        ratio, median, n = self._history.ratio(ctx.kind, ctx.loss)
+        if ratio is None or not self._episode(ctx.kind, ratio >= self.ratio):
+            return []
+        return [Finding(ctx.step, ctx.loss_name, "loss_spike", ratio, self.ratio,
+                        f"loss {ctx.loss:.4g} is {ratio:.3g}× the median {median:.4g} of the "
+                        f"previous {n} {ctx.kind!r} steps")]
+
+
+class DeadUnits(Detector):
+    """Saturated and dead ReLU-like activations (modules in `types`, default `RELU_LIKE`).
+
+    saturation: fraction of exact zeros in the output ≥ this is `saturation`. dead: fraction
+    of units (every position except the batch dimension 0) that are zero for every batch item
+    ≥ this is `dead_units`; judged only with at least `min_batch` items (with fewer, a live
+    unit is too often zero for all of them by chance). A module called several times in a
+    step counts all its calls: a unit is dead if it is zero in every call.
+    """
+
+    name = "dead_units"
+    observes_outputs = True
+
+    def __init__(self, saturation: float = 0.95, dead: float = 0.5, min_batch: int = 8,
+                 types: tuple[type[nn.Module], ...] = RELU_LIKE) -> None:
+        super().__init__()
+        if not (0 < saturation <= 1 and 0 < dead <= 1):
+            raise ValueError(f"thresholds are fractions in (0, 1], got saturation={saturation},"
+                             f" dead={dead}")
+        self.saturation, self.dead, self.min_batch, self.types = saturation, dead, min_batch, types
+        # path -> [zero count (device), element count, dead mask (device) or None]
+        self._acc: dict[str, list] = {}
+
+    def begin(self, ctx: StepContext) -> None:
+        self._acc = {}
+
+    def observe(self, path: str, module: nn.Module, output: Tensor) -> None:
+        if not isinstance(module, self.types) or output.dim() == 0 or output.numel() == 0:
+            return
+        zero = output.detach() == 0
+        acc = self._acc.get(path)
+        count = zero.sum()
+        mask = (zero.reshape(zero.shape[0], -1).all(0)
+                if zero.dim() >= 2 and zero.shape[0] >= self.min_batch else None)
+        if acc is None:
+            self._acc[path] = [count, zero.numel(), mask]
+            return
+        acc[0] = acc[0] + count
+        acc[1] += zero.numel()
+        same = mask is not None and acc[2] is not None and acc[2].shape == mask.shape
+        acc[2] = (acc[2] & mask) if same else None  # calls of different shapes: no unit view
+
+    def measure(self, ctx: StepContext) -> dict[str, Tensor]:
+        values = {}
+        for path, (count, numel, mask) in self._acc.items():
+            zero_frac = count / numel
+            dead_frac = mask.float().mean() if mask is not None else torch.full_like(
+                zero_frac, math.nan)
+            values[path] = torch.stack([zero_frac, dead_frac])
+        self._acc = {}
+        return values
+
+    def judge(self, ctx: StepContext, values: dict[str, list[float]]) -> list[Finding]:
+        found = []
+        for path, (zero_frac, dead_frac) in values.items():
+            if self._episode((ctx.kind, path, "saturation"), zero_frac >= self.saturation):
+                found.append(Finding(
+                    ctx.step, path, "saturation", zero_frac, self.saturation,
+                    f"{zero_frac:.1%} of the outputs of {path} are exactly zero"))
+            dead = not math.isnan(dead_frac) and dead_frac >= self.dead
+            if self._episode((ctx.kind, path, "dead"), dead):
+                found.append(Finding(
+                    ctx.step, path, "dead_units", dead_frac, self.dead,
+                    f"{dead_frac:.1%} of the units of {path} are zero for every item of the "
+                    "batch (dead)"))
+        return found
+
+    def abort(self) -> None:
+        self._acc = {}
+
+
+class UpdateRatio(Detector):
+    """‖Δθ‖ / ‖θ‖ of each weight over the step (the optimiser's relative update size).
+
+    low / high: a ratio outside [low, high] is an `update_ratio` finding. min_dim: only
+    parameters with at least this many dimensions (weights; zero-initialised biases would give
+    meaningless ratios). Needs θ before the step: snapshot (one copy of those parameters) on
+    detector steps only. A step in which no parameter changed (no optimiser step, e.g.
+    gradient accumulation) is not judged, nor are parameters without a gradient or with θ = 0.
+    """
+
+    name = "update_ratio"
+
+    def __init__(self, low: float = 1e-6, high: float = 0.1, min_dim: int = 2) -> None:
+        super().__init__()
+        if not 0 <= low < high:
+            raise ValueError(f"need 0 <= low < high, got low={low}, high={high}")
+        self.low, self.high, self.min_dim = low, high, min_dim
+        self._before: dict[str, Tensor] = {}
+
+    def begin(self, ctx: StepContext) -> None:
+        self._before = {n: p.detach().clone() for n, p in ctx.params.items()
+                        if p.dim() >= self.min_dim}
+
+    def measure(self, ctx: StepContext) -> dict[str, Tensor]:
+        names = [n for n in ctx.grads if n in self._before]
+        before = [self._before[n] for n in names]
+        self._before = {}
+        if not names:
+            return {}
+        after = [ctx.params[n].detach() for n in names]
+        delta_norms = torch._foreach_norm(torch._foreach_sub(after, before))
+        weight_norms = torch._foreach_norm(before)
+        return {n: torch.stack([d, w]) for n, d, w in zip(names, delta_norms, weight_norms)}
+
+    def judge(self, ctx: StepContext, values: dict[str, list[float]]) -> list[Finding]:
+        if not any(d > 0 for d, _ in values.values()):
+            return []  # nothing moved: no optimiser step in this step
+        found = []
+        for name, (delta, weight) in values.items():
+            if weight <= 0:
+                continue
+            ratio = delta / weight
+            bound = self.high if ratio > self.high else self.low
+            if self._episode((ctx.kind, name), not self.low <= ratio <= self.high):
+                side = "above" if bound == self.high else "below"
+                found.append(Finding(
+                    ctx.step, name, "update_ratio", ratio, bound,
+                    f"update of {name} is {ratio:.3g} of its norm ‖Δθ‖/‖θ‖ = {delta:.3g}/"
+                    f"{weight:.3g}, {side} the range [{self.low:g}, {self.high:g}]"))
+        return found
+
+    def abort(self) -> None:
+        self._before = {}
+
+
+def default_detectors() -> list[Detector]:
+    """A fresh set of the built-in detectors with their default thresholds."""
+    return [GradientNorm(), LossSpike(), DeadUnits(), UpdateRatio()]

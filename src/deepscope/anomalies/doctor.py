@@ -1,0 +1,98 @@
+"""`deepscope doctor`: a text report of a run's anomaly findings and where to look in the GUI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from ..query import Project, Run
+from ..store.layout import is_run_dir
+
+# Where each finding can be inspected in `deepscope serve` (tab names as the GUI shows them).
+_WHERE = {
+    "nonfinite": "Graph tab at step {step}: node {tensor} (forward or gradient view, as the "
+                 "message says); the steps after it are recorded in full",
+    "exploding_gradient": "Instruments tab, GradNorm of layer {tensor}; Graph tab coloured by "
+                          "quantity: GradNorm",
+    "vanishing_gradient": "Instruments tab, GradNorm of layer {tensor}; Graph tab coloured by "
+                          "quantity: GradNorm",
+    "loss_spike": "KPIs tab, {tensor} around step {step}",
+    "saturation": "Graph tab: node {tensor}, its per-neuron values at a recorded step",
+    "dead_units": "Graph tab: node {tensor}, its per-neuron values at a recorded step",
+    "update_ratio": "Instruments tab, UpdateSize of layer {tensor}",
+}
+_DEFAULT_WHERE = "Anomalies tab, step {step}, tensor {tensor}"
+
+
+def report(path: str | Path, rank: int = 0, limit: int = 10) -> str:
+    """The doctor report of a run folder, or of every run in a project folder.
+
+    limit: findings listed per detector (the count is always complete)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"no run folder at {path}; pass a run folder such as runs/baseline "
+                         "(or a project folder of runs)")
+    names = Project(path).runs()
+    if not names:
+        raise ValueError(f"no deepscope runs in {path}; pass a run folder such as "
+                         "runs/baseline")
+    parts = []
+    for name in names:
+        with Run(path if is_run_dir(path) else path / name) as run:
+            parts.append(_run_report(run, rank, limit))
+    return "\n\n".join(parts)
+
+
+def _run_report(run: Run, rank: int, limit: int) -> str:
+    found = run.anomalies(rank)
+    head = f"run {run.name} ({run.path}, rank {rank})"
+    if found.empty:
+        return (f"{head}: no anomalies recorded.\n  (Findings come from "
+                "deepscope.Scope(..., anomalies=True); none means every checked step was "
+                "finite and no detector fired.)")
+    counts = found["detector"].value_counts()
+    lines = [f"{head}: {len(found)} finding{'s' if len(found) != 1 else ''} — "
+             + ", ".join(f"{n} {d}" for d, n in counts.items())]
+    recorded = run.steps(rank=rank)
+    nonfinite = found[found["detector"] == "nonfinite"]
+    if not nonfinite.empty:
+        first = nonfinite.iloc[0]
+        step = int(first["step"])
+        lines += ["", f"FIRST NON-FINITE VALUE: step {step}, {first['tensor']}",
+                  f"  {first['message']}",
+                  f"  look: {_where(first)}",
+                  f"  recorded steps from there: {_recorded_from(recorded, step)}"]
+        if len(nonfinite) > 1:
+            later = ", ".join(str(int(s)) for s in nonfinite["step"].iloc[1:6])
+            lines.append(f"  non-finite again later (new episodes) at steps {later}"
+                         + (" ..." if len(nonfinite) > 6 else ""))
+    for detector, rows in found.groupby("detector", sort=False):
+        if detector == "nonfinite":
+            continue
+        lines += ["", f"{detector} ({len(rows)}) — look: {_where(rows.iloc[0], generic=True)}"]
+        for row in rows.head(limit).itertuples(index=False):
+            lines.append(f"  step {int(row.step):>7}  {row.tensor:<32} {_num(row.value):>10} "
+                         f"(threshold {_num(row.threshold)})  {row.message}")
+        if len(rows) > limit:
+            lines.append(f"  ... {len(rows) - limit} more (deepscope.open_run(path)"
+                         ".anomalies() has them all)")
+    lines += ["", f"GUI: deepscope serve {run.path.parent} → run {run.name} → Anomalies tab "
+              "lists every finding."]
+    return "\n".join(lines)
+
+
+def _where(row: pd.Series, generic: bool = False) -> str:
+    text = _WHERE.get(str(row["detector"]), _DEFAULT_WHERE)
+    if generic:  # the hint for a group of findings: each row names its step and tensor
+        return text.format(step="<step>", tensor="<tensor>")
+    return text.format(step=int(row["step"]), tensor=row["tensor"])
+
+
+def _recorded_from(recorded: list[int], step: int, n: int = 5) -> str:
+    after = [s for s in recorded if s >= step][:n]
+    return ", ".join(map(str, after)) if after else "none (no step at or after it was recorded)"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None or value != value else f"{value:.3g}"

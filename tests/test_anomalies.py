@@ -1,0 +1,611 @@
+"""Health monitor: the first NaN/Inf traced to its origin, the detectors, `deepscope doctor`.
+
+The monitor is driven by hand-written loops (start / loss / finish), as the recorder drives it.
+The last test goes through `deepscope.Scope(..., anomalies="trace")`, as a user would.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import deepscope
+from deepscope.anomalies import (
+    DeadUnits,
+    Detector,
+    Finding,
+    GradientNorm,
+    HealthMonitor,
+    LossSpike,
+    StepContext,
+    StopTraining,
+    UpdateRatio,
+)
+from deepscope.anomalies.doctor import report
+from deepscope.cli.main import main as cli_main
+
+INF, NAN = math.inf, math.nan
+
+
+# --- models with a fault that can be switched on at a known step ----------------------------------
+class InfAt(nn.Module):
+    """Identity, except that one element of its output is +Inf while `fire` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fire = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fire:
+            return x
+        x = x.clone()
+        x[0, 0] = INF
+        return x
+
+
+class _NaNGrad(torch.autograd.Function):
+    """Identity forward; the backward returns NaN gradients when asked to."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fire: bool) -> torch.Tensor:
+        ctx.fire = fire
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return (torch.full_like(grad, NAN) if ctx.fire else grad), None
+
+
+class NaNGradAt(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fire = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _NaNGrad.apply(x, self.fire)
+
+
+class Block(nn.Module):
+    """Applies the NaN-gradient function in its own code, between its submodules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.fire = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_NaNGrad.apply(self.a(x), self.fire))
+
+
+class Overflow(nn.Module):
+    """Multiplies by Inf in its own code (not in a submodule) while `fire` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 8)
+        self.fire = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h * INF if self.fire else h)
+
+
+def mlp(fault: nn.Module) -> nn.Sequential:
+    """Paths: 0 Linear, 1 ReLU, 2 fault, 3 Linear, 4 Tanh, 5 Linear."""
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), fault, nn.Linear(8, 8), nn.Tanh(),
+                         nn.Linear(8, 3))
+
+
+def train(model: nn.Module, monitor: HealthMonitor, steps: int, *, before=None, lr=0.1,
+          loss_of=None, x_of=None, kind: str = "train", optimise: bool = True
+          ) -> dict[int, tuple[list[Finding], int]]:
+    """A plain training loop driving the monitor; returns finish() results per step."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    results = {}
+    for step in range(steps):
+        if before is not None:
+            before(step)
+        x = torch.randn(16, 6) if x_of is None else x_of(step)
+        y = torch.randint(0, 3, (16,))
+        monitor.start(step, kind)
+        out = model(x)
+        loss = F.cross_entropy(out, y) if loss_of is None else loss_of(step, out, y)
+        monitor.loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        if optimise:
+            opt.step()
+        results[step] = monitor.finish(step)
+    return results
+
+
+def only(results: dict, detector: str | None = None) -> list[Finding]:
+    return [f for found, _ in results.values() for f in found
+            if detector is None or f.detector == detector]
+
+
+def switch_at(module: nn.Module, step: int):
+    def before(s: int) -> None:
+        module.fire = s == step
+    return before
+
+
+# --- trace to origin ------------------------------------------------------------------------------
+def test_forward_inf_is_traced_to_the_module_that_made_it_not_to_later_layers():
+    fault = InfAt()
+    model = mlp(fault)
+    monitor = HealthMonitor(model, prefix="net", detectors=[])
+    results = train(model, monitor, 8, before=switch_at(fault, 4))
+    found = only(results)
+    assert [(f.step, f.tensor, f.detector) for f in found] == [(4, "net.2", "nonfinite")]
+    msg = found[0].message
+    assert "forward output of net.2" in msg and "InfAt" in msg and "shape (16, 8)" in msg
+    assert "max inf" in msg and "inputs are finite" in msg  # its input's min/max are given
+    assert results[4][1] == 3          # the recorder is asked to record 3 more steps in full
+    assert all(results[s] == ([], 0) for s in range(4))
+    # The update of step 4 made the weights non-finite: the episode goes on, one finding only.
+    assert all(results[s][0] == [] for s in range(5, 8))
+
+
+def test_backward_only_nan_names_the_module_whose_backward_made_it():
+    fault = NaNGradAt()
+    model = mlp(fault)
+    monitor = HealthMonitor(model, prefix="net", detectors=[])
+    results = train(model, monitor, 6, before=switch_at(fault, 3), optimise=False)
+    found = only(results)
+    assert [(f.step, f.tensor) for f in found] == [(3, "net.2")]
+    msg = found[0].message
+    assert msg.startswith("first non-finite gradient of step 3: the backward of net.2")
+    assert "NaNGradAt" in msg and "gradient of its output is finite" in msg
+    # its input comes from net.1, a ReLU: an activation the trace does not hook
+    assert "gradient of input 0 of net.2 (shape (16, 8)) has min nan" in msg
+    assert results[3][1] == 3
+
+
+def test_backward_nan_made_by_code_inside_a_module_names_that_module():
+    block = Block()
+    model = nn.Sequential(nn.Linear(6, 8), block, nn.Linear(8, 3))
+    monitor = HealthMonitor(model, detectors=[])
+    found = only(train(model, monitor, 5, before=switch_at(block, 2), optimise=False))
+    assert [(f.step, f.tensor) for f in found] == [(2, "1")]
+    assert "gradient of 1.a" in found[0].message
+    assert "no watched module used that tensor" in found[0].message
+
+
+def test_nonfinite_loss_with_finite_activations_names_the_loss():
+    model = mlp(nn.Identity())
+    monitor = HealthMonitor(model, detectors=[])
+
+    def loss_of(step, out, y):
+        loss = F.cross_entropy(out, y)
+        return loss + torch.log(torch.zeros(())) if step == 3 else loss
+
+    found = only(train(model, monitor, 5, loss_of=loss_of, optimise=False))
+    assert [(f.step, f.tensor) for f in found] == [(3, "loss")]
+    assert "every watched module output is finite" in found[0].message
+
+
+def test_nonfinite_data_names_the_models_input():
+    model = mlp(nn.Identity())
+    monitor = HealthMonitor(model, root_name="mlp", detectors=[])
+
+    def x_of(step):
+        x = torch.randn(16, 6)
+        if step == 2:
+            x[3, 1] = NAN
+        return x
+
+    found = only(train(model, monitor, 4, x_of=x_of, optimise=False))
+    assert [(f.step, f.tensor) for f in found] == [(2, "mlp")]
+    assert "the model's input" in found[0].message
+
+
+def test_nonfinite_made_between_submodules_names_the_parent_module():
+    parent = Overflow()
+    model = nn.Sequential(parent, nn.Linear(8, 3))
+    monitor = HealthMonitor(model, detectors=[])
+    found = only(train(model, monitor, 4, before=switch_at(parent, 1)))
+    assert [(f.step, f.tensor) for f in found] == [(1, "0")]
+    assert "no watched module returned it" in found[0].message
+    assert "input 0 of 0.b" in found[0].message
+
+
+def test_nonfinite_weights_are_named_in_the_finding():
+    model = mlp(nn.Identity())
+    monitor = HealthMonitor(model, detectors=[])
+
+    def before(step):
+        if step == 2:
+            with torch.no_grad():
+                model[3].weight[0, 0] = INF
+
+    found = only(train(model, monitor, 3, before=before, optimise=False))
+    assert [(f.step, f.tensor) for f in found] == [(2, "3")]
+    assert "its parameters 3.weight" in found[0].message
+
+
+def test_dict_outputs_and_repeated_calls_are_named_like_the_recorder():
+    class Heads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fire = False
+
+        def forward(self, x):
+            return {"ok": x, "bad": x * INF if self.fire else x * 2}
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cell, self.heads, self.out = nn.Linear(6, 6), Heads(), nn.Linear(6, 3)
+
+        def forward(self, x):
+            for _ in range(3):  # the same module, called three times
+                x = torch.tanh(self.cell(x))
+            return self.out(self.heads(x)["bad"])
+
+    net = Net()
+    monitor = HealthMonitor(net, prefix="net", detectors=[])
+    found = only(train(net, monitor, 3, before=switch_at(net.heads, 1), optimise=False))
+    assert [(f.step, f.tensor) for f in found] == [(1, "net.heads.bad")]
+    assert "its inputs are finite: input 0 min" in found[0].message  # tanh is not a module
+
+    with torch.no_grad():
+        net.cell.weight.fill_(1e38)  # its first call saturates tanh, the second overflows
+    monitor.start(9, "train")
+    net(torch.full((2, 6), 1e-10))
+    found, _ = monitor.finish(9)
+    assert [f.tensor for f in found] == ["net.cell"]
+    assert "net.cell (call 2)" in found[0].message
+
+
+def test_inplace_relu_keeps_its_input_version():
+    fault = InfAt()
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), fault, nn.Linear(8, 3))
+    monitor = HealthMonitor(model, detectors=[])
+    found = only(train(model, monitor, 3, before=switch_at(fault, 1)))
+    assert [(f.step, f.tensor) for f in found] == [(1, "2")]
+
+
+def test_nan_gradient_from_the_loss_function_names_the_loss():
+    model = mlp(nn.Identity())
+    monitor = HealthMonitor(model, detectors=[])
+
+    def loss_of(step, out, y):  # sqrt at 0: finite value, infinite slope (0 * inf = NaN)
+        loss = F.cross_entropy(out, y)
+        return loss + torch.sqrt((out * 0).sum()) if step == 2 else loss
+
+    found = only(train(model, monitor, 3, loss_of=loss_of, optimise=False))
+    assert [(f.step, f.tensor) for f in found] == [(2, "loss")]
+    assert "the model output: the backward of the loss computation" in found[0].message
+
+
+def test_a_gradient_norm_that_overflows_is_verified_before_it_is_reported():
+    model = nn.Linear(4, 4)
+    monitor = HealthMonitor(model, detectors=[])
+    for step, poison in enumerate([False, True]):
+        monitor.start(step, "train")
+        model(torch.ones(2, 4))
+        model.weight.grad = torch.full_like(model.weight, 3e38)  # finite; its norm is not
+        model.bias.grad = torch.zeros_like(model.bias)
+        if poison:
+            model.weight.grad[1, 2] = INF
+        found, _ = monitor.finish(step)
+        assert [f.tensor for f in found] == (["weight"] if poison else [])
+
+
+def test_deferred_check_reports_one_step_late_and_on_flush():
+    fault = InfAt()
+    model = mlp(fault)
+    monitor = HealthMonitor(model, detectors=[], defer=True)
+    results = train(model, monitor, 4, before=switch_at(fault, 3))
+    assert only(results) == []                      # step 3 is still in flight
+    found, record = monitor.flush()
+    assert [(f.step, f.tensor) for f in found] == [(3, "2")] and record == 3
+
+    fault2 = InfAt()
+    model2 = mlp(fault2)
+    monitor2 = HealthMonitor(model2, detectors=[], defer=True)
+    results2 = train(model2, monitor2, 4, before=switch_at(fault2, 1))
+    assert results2[1] == ([], 0)
+    assert [(f.step, f.tensor) for f in results2[2][0]] == [(1, "2")]
+    monitor.close()
+    monitor2.close()
+
+
+def test_a_step_left_without_finish_is_still_judged_in_deferred_mode():
+    fault = InfAt()
+    model = mlp(fault)
+    monitor = HealthMonitor(model, detectors=[], defer=True)
+    for step in range(4):
+        fault.fire = step == 1
+        monitor.start(step, "train")
+        model(torch.randn(4, 6)).sum().backward()
+        if step == 2:
+            continue  # the user's step raised: the recorder does not call finish()
+        found, record = monitor.finish(step)
+        if step == 3:  # step 1's slots were about to be reused: judged at start(3)
+            assert [(f.step, f.tensor) for f in found] == [(1, "2")] and record == 3
+        else:
+            assert found == []
+
+
+def test_deepscopes_own_passes_are_ignored():
+    from deepscope.hookstate import paused
+
+    fault = InfAt()
+    model = mlp(fault)
+    monitor = HealthMonitor(model, detectors=[])
+    monitor.start(0, "train")
+    model(torch.randn(4, 6)).sum().backward()
+    with paused():  # e.g. a curvature instrument re-running the model
+        fault.fire = True
+        model(torch.randn(4, 6)).sum()
+    assert monitor.finish(0) == ([], 0)
+
+
+def test_health_check_without_trace_names_the_first_bad_gradient():
+    fault = NaNGradAt()
+    model = mlp(fault)
+    monitor = HealthMonitor(model, detectors=[], trace=False)
+    found = only(train(model, monitor, 4, before=switch_at(fault, 2), optimise=False))
+    assert [(f.step, f.tensor) for f in found] == [(2, "0.weight")]
+
+
+def test_healthy_training_reports_nothing():
+    model = mlp(nn.Identity())
+    monitor = HealthMonitor(model, detector_every=2)
+    assert only(train(model, monitor, 30, lr=0.05)) == []
+
+
+# --- callbacks ------------------------------------------------------------------------------------
+def test_stop_training_from_the_callback_is_raised_at_the_next_start():
+    def stop(finding: Finding) -> None:
+        if finding.detector == "nonfinite":
+            raise StopTraining(finding)
+
+    fault = InfAt()
+    model = mlp(fault)
+    monitor = HealthMonitor(model, detectors=[], on_anomaly=stop)
+    with pytest.raises(StopTraining) as info:
+        train(model, monitor, 10, before=switch_at(fault, 2))
+    assert info.value.finding.step == 2 and info.value.finding.tensor == "2"
+    assert not isinstance(info.value, Exception)  # passes `except Exception` guards
+
+
+def test_a_failing_callback_is_logged_once_and_training_goes_on(caplog):
+    calls = []
+
+    def broken(finding: Finding) -> None:
+        calls.append(finding.step)
+        raise RuntimeError("oops")
+
+    fault = InfAt()
+    model = mlp(fault)
+    monitor = HealthMonitor(model, detectors=[], on_anomaly=broken)
+
+    def before(step: int) -> None:  # two episodes: Inf at 1, finite at 2, Inf at 3
+        fault.fire = step in (1, 3)
+
+    with caplog.at_level(logging.WARNING, logger="deepscope"):
+        results = train(model, monitor, 5, before=before, optimise=False)
+    assert calls == [1, 3] and [f.step for f in only(results)] == [1, 3]
+    assert sum("on_anomaly callback raised" in r.message for r in caplog.records) == 1
+
+
+# --- detectors ------------------------------------------------------------------------------------
+def test_gradient_norm_flags_explosion_and_vanishing_only_when_they_happen():
+    model = mlp(nn.Identity())
+    monitor = HealthMonitor(model, detectors=[GradientNorm()], detector_every=1)
+
+    def loss_of(step, out, y):
+        scale = {20: 1e3, 26: 1e-4}.get(step, 1.0)
+        return F.cross_entropy(out, y) * scale
+
+    results = train(model, monitor, 30, loss_of=loss_of, optimise=False)
+    exploding = only(results, "exploding_gradient")
+    vanishing = only(results, "vanishing_gradient")
+    names = {n for n, _ in model.named_parameters()}
+    assert {f.step for f in exploding} == {20} and {f.tensor for f in exploding} == names
+    assert {f.step for f in vanishing} == {26} and {f.tensor for f in vanishing} == names
+    assert all(f.value >= 10 and f.threshold == 10 for f in exploding)
+    assert all(f.value <= 0.01 for f in vanishing)
+    assert results[20][1] == 3 and results[26][1] == 0   # only the explosion is acute
+    assert len(only(results)) == len(exploding) + len(vanishing)
+
+
+def test_loss_spike_runs_every_step_and_compares_with_the_running_median():
+    model = mlp(nn.Identity())
+    monitor = HealthMonitor(model, detectors=[LossSpike()], detector_every=7)
+    losses = {}
+
+    def loss_of(step, out, y):
+        loss = F.cross_entropy(out, y) * (10.0 if step == 23 else 1.0)
+        losses[step] = loss.item()
+        return loss
+
+    results = train(model, monitor, 26, loss_of=loss_of, optimise=False)
+    found = only(results)
+    assert [(f.step, f.tensor, f.detector) for f in found] == [(23, "loss", "loss_spike")]
+    assert found[0].value == pytest.approx(losses[23] / sorted(losses[s] for s in
+                                                               range(23))[11], rel=1e-5)
+    assert results[23][1] == 3
+
+
+def test_dead_and_saturated_relu_units_are_flagged_and_healthy_ones_are_not():
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
+    monitor = HealthMonitor(model, detectors=[DeadUnits()], detector_every=5)
+    assert only(train(model, monitor, 10)) == []
+    with torch.no_grad():
+        model[0].bias[:24] = -100.0  # 24 of 32 units can never fire
+    found = only(train(model, monitor, 10))
+    kinds = {(f.step, f.tensor, f.detector): f.value for f in found}
+    assert set(kinds) == {(0, "1", "dead_units")}
+    assert kinds[(0, "1", "dead_units")] == pytest.approx(0.75)
+
+    with torch.no_grad():
+        model[0].bias.fill_(-100.0)
+    found = only(train(model, monitor, 1))
+    # saturation is new; dead_units is the same episode as before, so it is not repeated
+    assert {(f.detector, f.value) for f in found} == {("saturation", 1.0)}
+
+
+def test_dead_units_also_work_without_the_trace():
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    with torch.no_grad():
+        model[0].bias.fill_(-100.0)
+    monitor = HealthMonitor(model, detectors=[DeadUnits()], trace=False)
+    found = only(train(model, monitor, 2))
+    assert {(f.step, f.detector) for f in found} == {(0, "dead_units"), (0, "saturation")}
+    monitor.close()
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_update_ratio_flags_steps_out_of_range():
+    for lr, expect in [(1e-9, "below"), (100.0, "above"), (0.05, None)]:
+        model = mlp(nn.Identity()).double()  # float64: a 1e-9 update is not rounded away
+        monitor = HealthMonitor(model, detectors=[UpdateRatio()], detector_every=3)
+        found = only(train(model, monitor, 2, lr=lr,
+                           x_of=lambda s: torch.randn(16, 6, dtype=torch.float64)))
+        weights = {n for n, p in model.named_parameters() if p.dim() == 2}
+        if expect is None:
+            assert found == []
+        else:
+            assert {f.tensor for f in found} == weights and {f.step for f in found} == {0}
+            assert all(expect in f.message for f in found)
+    # no optimiser step (gradient accumulation): nothing moved, nothing is judged
+    model = mlp(nn.Identity())
+    monitor = HealthMonitor(model, detectors=[UpdateRatio()])
+    assert only(train(model, monitor, 2, optimise=False)) == []
+
+
+def test_custom_detector_sees_the_step_and_eval_steps_skip_stale_gradients():
+    class Probe(Detector):
+        name = "probe"
+        observes_outputs = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[int, list[str], list[str]]] = []
+            self.outputs: list[str] = []
+
+        def observe(self, path, module, output):
+            self.outputs.append(path)
+
+        def measure(self, ctx: StepContext):
+            return {"n": torch.tensor(float(len(ctx.grads)))}
+
+        def judge(self, ctx, values):
+            self.seen.append((ctx.step, ctx.kind, list(ctx.grads), values["n"]))
+            return [Finding(ctx.step, "x", self.name, values["n"][0], None, "probe")]
+
+    probe = Probe()
+    model = nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 3))
+    monitor = HealthMonitor(model, detectors=[probe], detector_every=1)
+    results = train(model, monitor, 1)
+    assert [f.detector for f in only(results)] == ["probe"] and results[0][1] == 0
+    assert probe.outputs == ["0", "1", "2", "model"]
+    monitor.start(1, "eval")
+    with torch.no_grad():
+        model(torch.randn(3, 6))
+    monitor.finish(1)
+    assert probe.seen[0][2] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert probe.seen[1][1:] == ("eval", [], [0.0])
+
+
+# --- interface errors -----------------------------------------------------------------------------
+def test_misuse_is_refused_with_a_clear_message():
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="record_next"):
+        HealthMonitor(model, record_next=-1)
+    with pytest.raises(ValueError, match="detector_every"):
+        HealthMonitor(model, detector_every=0)
+    with pytest.raises(TypeError, match="Detector instances"):
+        HealthMonitor(model, detectors=[object()])
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        HealthMonitor(object())
+    with pytest.raises(ValueError, match="need 0 <= vanish < 1 < explode"):
+        GradientNorm(explode=0.5)
+    monitor = HealthMonitor(model)
+    with pytest.raises(ValueError, match="start"):
+        monitor.finish(0)
+    monitor.start(0, "train")
+    with pytest.raises(TypeError, match="scalar loss"):
+        monitor.loss(torch.ones(3))
+    with pytest.raises(ValueError, match="finish\\(1\\)"):
+        monitor.finish(1)
+    monitor.close()
+    monitor.close()
+    with pytest.raises(ValueError, match="after close"):
+        monitor.start(1, "train")
+    assert not model._forward_hooks
+
+
+# --- doctor ---------------------------------------------------------------------------------------
+def _run_with_findings(tmp_path, rows):
+    scope = deepscope.Scope(tmp_path, run="r1", schedule=deepscope.at([5, 6, 7]))
+    model = nn.Linear(3, 1)
+    scope.watch(model)
+    for step in range(9):
+        with scope.step(step) as rec:
+            loss = model(torch.randn(4, 3)).pow(2).mean()
+            rec.loss(loss)
+            loss.backward()
+    scope.writer.submit_anomalies(rows)
+    scope.close()
+    return tmp_path / "r1"
+
+
+def test_doctor_reports_the_first_nonfinite_and_where_to_look(tmp_path, capsys):
+    run = _run_with_findings(tmp_path, [
+        (3, "net.0", "exploding_gradient", 14.2, 10.0, "gradient norm of net.0.weight ..."),
+        (5, "net.2", "nonfinite", None, None, "first non-finite value of step 5: forward"),
+        (6, "loss", "loss_spike", 4.0, 3.0, "loss 9 is 4× the median"),
+        (8, "net.2", "nonfinite", None, None, "first non-finite value of step 8: ..."),
+    ])
+    text = report(run)
+    assert "4 findings — 2 nonfinite, 1 exploding_gradient, 1 loss_spike" in text
+    assert "FIRST NON-FINITE VALUE: step 5, net.2" in text
+    assert "look: Graph tab at step 5: node net.2" in text
+    assert "recorded steps from there: 5, 6, 7" in text
+    assert "non-finite again later (new episodes) at steps 8" in text
+    assert "KPIs tab" in text and "Instruments tab, GradNorm" in text
+    assert cli_main(["doctor", str(run), "--limit", "1"]) == 0
+    assert "FIRST NON-FINITE VALUE" in capsys.readouterr().out
+
+
+def test_doctor_on_a_clean_run_a_project_and_a_bad_path(tmp_path, capsys):
+    run = _run_with_findings(tmp_path, [])
+    assert "no anomalies recorded" in report(run)
+    assert "run r1" in report(tmp_path)               # a project folder: each of its runs
+    assert cli_main(["doctor", str(tmp_path / "nope")]) == 2
+    assert "no run folder at" in capsys.readouterr().err
+
+
+# --- end to end through the recorder: Scope(..., anomalies="trace") ---------------------------
+def test_end_to_end_scope_records_the_origin_and_the_steps_after_it(tmp_path):
+    fault = InfAt()
+    model = mlp(fault)
+    scope = deepscope.Scope(tmp_path, run="e2e", schedule=deepscope.every(100),
+                            anomalies="trace")
+    scope.watch(model, name="net", activations=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(12):
+        fault.fire = step == 6
+        with scope.step(step) as rec:
+            loss = F.cross_entropy(model(torch.randn(16, 6)), torch.randint(0, 3, (16,)))
+            rec.loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    scope.close()
+    run = deepscope.open_run(tmp_path / "e2e")
+    found = run.anomalies()
+    first = found[found["detector"] == "nonfinite"].iloc[0]
+    assert (int(first["step"]), first["tensor"]) == (6, "net.2")
+    assert {7, 8, 9} <= set(run.steps())              # recorded in full after the finding
+    assert "FIRST NON-FINITE VALUE: step 6, net.2" in report(tmp_path / "e2e")
