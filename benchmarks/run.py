@@ -143,8 +143,13 @@ GROUPS: tuple[Group, ...] = (
         Entry(PLAIN, "plain:mlp:train"),
         Entry("deepscope, steps not recorded", "deepscope:mlp:unrecorded",
               targets=(ratio_target(1.03),)),
-    ), note="The recorder set-up above (activation hooks, `rec.tensor`, `rec.loss`) on steps "
-       "the schedule does not choose; only step 0, a warm-up step, is recorded."),
+        Entry("deepscope health check (anomalies='check', the default)", "deepscope:mlp:check",
+              targets=(ratio_target(1.03),)),
+        Entry("deepscope health check with origin trace (anomalies='trace')",
+              "deepscope:mlp:trace"),
+    ), note="The recorder set-up above (activation hooks, `rec.tensor`, `rec.loss`, anomalies "
+       "off) on steps the schedule does not choose; only step 0, a warm-up step, is recorded. "
+       "The health-check rows record nothing and run only the anomaly monitor."),
     Group("mlp-instruments", "Instruments — MLP 784-256-256-10, batch 128, every step", (
         Entry(PLAIN, "plain:mlp:train"),
         *_instrument_entries("mlp", {"economy": 10, "business": 12, "full": 40}, 20),

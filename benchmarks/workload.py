@@ -41,8 +41,8 @@ LR = 1e-2
 
 MODES: dict[str, tuple[str, ...]] = {
     "plain": ("train",),
-    "deepscope": ("recorder", "named4", "unrecorded", "defaults", "defaults-economy",
-                  "economy", "business", "full"),
+    "deepscope": ("recorder", "named4", "unrecorded", "check", "trace", "defaults",
+                  "defaults-economy", "economy", "business", "full"),
     "comgra": ("recorder",),
     "cockpit": ("economy", "business", "full"),
 }
@@ -134,7 +134,10 @@ def deepscope_config(mode: str) -> tuple[dict[str, object], dict[str, object]]:
     if mode == "recorder":  # comgra's tutorial setting: activations, gradients, 5 samples
         return {"schedule": every_step, "max_samples": 5}, {"activations": True}
     if mode == "unrecorded":  # the same set-up, on steps the schedule does not choose
-        return {"schedule": deepscope.every(10**9), "max_samples": 5}, {"activations": True}
+        return ({"schedule": deepscope.every(10**9), "max_samples": 5, "anomalies": False},
+                {"activations": True})
+    if mode in ("check", "trace"):  # the always-on health check alone, nothing recorded
+        return {"schedule": deepscope.never, "anomalies": mode}, {}
     if mode == "named4":
         return {"schedule": every_step, "max_samples": 4}, {}
     if mode == "defaults":
