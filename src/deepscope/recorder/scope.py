@@ -37,6 +37,8 @@ class Scope:
         `per_kind(n)`, an int n, or any callable (step, kind) -> bool. Default every(10).
     instruments: None, "economy", "business", "full" or a list of quantity names (computed
         for the model given to `watch`), on `instrument_schedule` (default: `schedule`).
+    instrument_options: more settings of `deepscope.instruments.Instruments`, e.g.
+        {"curvature": "hutchinson", "hist_bins": 50, "lanczos_iter": 20}.
     max_samples: batch items whose full values are stored per tensor record.
     dynamic / keep_if: steps chosen by `dynamic` but not by `schedule` are recorded
         tentatively and kept if `keep_if(rec)` is true or `rec.keep()` was called.
@@ -61,6 +63,7 @@ class Scope:
                  keep_if: Callable[[StepRecorder], bool] | None = None,
                  instrument_schedule: Schedule | int | None = None,
                  quantity_schedules: dict[str, Schedule] | None = None,
+                 instrument_options: dict[str, Any] | None = None,
                  overwrite: bool = False, resume: bool = False,
                  rank: int | None = None, queue_size: int = 32, on_full: str = "block",
                  singular_values: bool = False, max_neurons: int = DEFAULT_MAX_NEURONS,
@@ -85,6 +88,7 @@ class Scope:
         self._instrument_schedule = (self.schedule if instrument_schedule is None
                                      else as_schedule(instrument_schedule))
         self._quantity_schedules = quantity_schedules
+        self._instrument_options = dict(instrument_options or {})
         self._seed = seed
         self.instruments: Any = None
         self.monitor: Any = None
@@ -176,7 +180,8 @@ class Scope:
             from ..instruments.suite import Instruments  # heavy; only when asked for
             self.instruments = Instruments(
                 model, self._instrument_spec, schedule=self._instrument_schedule,
-                optimizer=optimizer, schedules=self._quantity_schedules, seed=self._seed)
+                optimizer=optimizer, schedules=self._quantity_schedules, seed=self._seed,
+                **self._instrument_options)
         return model
 
     def note(self, text: str) -> None:
