@@ -16,6 +16,8 @@ from torch import Tensor, nn
 
 from deepscope.instruments.engine import PerSampleEngine
 from deepscope.instruments.rules import GenericRule, rule_for
+from deepscope.instruments.rules.base import RankOne
+from deepscope.instruments.rules.linear import OuterProductGrads
 
 B = 5
 RTOL = 1e-6
@@ -274,16 +276,26 @@ def check_all(engine: PerSampleEngine, ref: dict[str, Tensor], dots_first: bool)
         )
     dots_subset = engine.dots(subset)
     assert set(dots_subset) == set(subset)
+    both = engine.dots_many([subset, vectors])
+    assert [set(d) for d in both] == [set(subset), set(vectors)]
     per_sample = dict(engine.per_sample_grads())
+    parts: dict[str, list[Tensor]] = {}
+    for name, part in engine.per_sample_parts():  # RankOne parts materialised to compare
+        parts.setdefault(name, []).append(
+            part.materialise(0, part.samples).reshape(-1, *ref[name].shape[1:])
+            if isinstance(part, RankOne) else part)
     for name, g in ref.items():
         flat = g.flatten(1)
         close(sq[name], flat.square().sum(1), f"sq_norms[{name}]")
         close(mean[name], g.mean(0), f"grad_mean[{name}]")
         close(m2[name], g.square().sum(0), f"second_moments[{name}]")
         close(dots[name], flat @ vectors[name].flatten(), f"dots[{name}]")
+        close(both[1][name], flat @ vectors[name].flatten(), f"dots_many[{name}]")
         if name in subset:
             close(dots_subset[name], flat @ subset[name].flatten(), f"dots subset [{name}]")
+            close(both[0][name], flat @ subset[name].flatten(), f"dots_many subset [{name}]")
         close(per_sample[name], g, f"per_sample_grads[{name}]")
+        close(torch.cat(parts[name]), g, f"per_sample_parts[{name}]")
 
 
 # -- the matrix: models x reductions x (chunked, nothing kept) / (one chunk, kept) -------
@@ -491,3 +503,45 @@ def test_bad_input_errors() -> None:
         engine.dots({"nope": torch.zeros(2)})
     with pytest.raises(ValueError, match=r"shape \(2, 2\)"):
         engine.dots({"weight": torch.zeros(3)})
+
+
+@pytest.mark.parametrize("edit", ["none", "penalty", "clip", "scale_grad"])
+def test_delivered_gradients_are_used_only_when_they_are_the_sum(monkeypatch, edit) -> None:
+    """ḡ comes from the gradients autograd delivered when Freivalds' check accepts them;
+    a penalty on θ in the loss or an in-place edit of the gradient must not leak into ḡ."""
+    model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    x, target = rand(B, 6), torch.randint(0, 3, (B,))
+    ref = reference(model, (x,), target, ce)
+    accepted: list[bool] = []
+    original = OuterProductGrads._sums_and_check
+
+    def spy(self, candidate):
+        sums = original(self, candidate)
+        if candidate is not None:
+            accepted.append(sums.get(self.weight) is candidate)
+        return sums
+
+    monkeypatch.setattr(OuterProductGrads, "_sums_and_check", spy)
+    engine = PerSampleEngine(model)
+    engine.start()
+    out = model(x)
+    loss = ce(out, target).mean()
+    if edit == "penalty":  # reaches the weights directly, not through the layers' outputs
+        loss = loss + 0.1 * sum(p.square().sum() for p in model.parameters())
+    loss.backward()
+    engine.stop()
+    engine.set_scale(B)
+    if edit == "clip":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    if edit == "scale_grad":  # an edit of the very tensors autograd delivered
+        for kept, _ in engine._observed.values():
+            kept.mul_(3.0)
+    mean = engine.grad_mean()
+    for name, g in ref.items():
+        close(mean[name], g.mean(0), f"grad_mean[{name}]")
+    if edit == "none":
+        assert accepted == [True, True]
+    elif edit == "penalty":
+        assert accepted == [False, False]
+    elif edit == "scale_grad":  # version counters changed: never offered
+        assert accepted == []

@@ -164,3 +164,136 @@ def test_adaptive_range_helpers() -> None:
     assert finite_abs_max(torch.tensor([[0.5, -0.25]])) == 0.5
     assert symmetric_bins(10, 0.0) == Bins(10, -0.5, 0.5)
     assert symmetric_bins(10, 2.5) == Bins(10, -2.5, 2.5)
+
+
+# -- rank-one parts (Linear layers): counted from the factors, never materialised ----------
+def rank_one_tricky(dtype: torch.dtype, bins: Bins, b: int = 6, o: int = 9, i: int = 23):
+    """Factors whose products hit every edge exactly and its float neighbours (power-of-two
+    left factors times edge values), with ±0, both signs and repeated values. (The
+    neighbours of an edge at 0 are left out: their products could round to 0.)"""
+    gen = torch.Generator().manual_seed(7)
+    edges = torch.from_numpy(np.linspace(bins.lo, bins.hi, bins.count + 1)).to(dtype)
+    near = torch.cat([edges, torch.nextafter(edges, edges + 1), torch.nextafter(edges, edges - 1)])
+    near = near[(near == 0) | (near.abs() > 1e-30)]
+    left = (torch.randn(b, o, generator=gen, dtype=torch.float64) * 0.3).to(dtype)
+    left[:, :4] = torch.tensor([1.0, -1.0, 0.5, -2.0], dtype=dtype)
+    left[0, 4], left[1, 4] = 0.0, -0.0
+    right = (torch.randn(b, i, generator=gen, dtype=torch.float64) * 0.05).to(dtype)
+    picks = near[torch.randint(0, near.numel(), (b, i // 2), generator=gen)]
+    right[:, : i // 2] = picks
+    right[:, -3:] = right[:, :3]  # repeats
+    right[2, -1] = 0.0
+    return H.RankOne(left, right)
+
+
+def materialised(part: H.RankOne) -> torch.Tensor:
+    return part.left[:, :, None] * part.right[:, None, :]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bins", [*BIN_CASES, Bins(4, -0.5, 0.0), Bins(6, -3.0, -1.0)], ids=str)
+def test_rank_one_1d_equals_numpy(monkeypatch, bins: Bins, dtype: torch.dtype) -> None:
+    monkeypatch.setattr(H, "_CUT_WORK", math.inf)  # the searches even for dense data
+    part = rank_one_tricky(dtype, bins)
+    assert H._rank_one_1d(part, H._axis(bins, dtype, torch.device("cpu"))) is not None
+    assert_matches_numpy(histogram_1d(part, bins), materialised(part).numpy(), bins)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rank_one_2d_equals_numpy(monkeypatch, dtype: torch.dtype) -> None:
+    monkeypatch.setattr(H, "_SCREEN_WORK", math.inf)
+    px, gy = Bins(40, -1.0, 1.0), Bins(50, -2.0, 2.0)
+    part = rank_one_tricky(dtype, gy)
+    theta = torch.rand(9, 23, generator=torch.Generator().manual_seed(2), dtype=dtype) * 2.6 - 1.3
+    theta[0, :2] = torch.tensor([math.nan, 1.0])
+    groups = H._axis(px, dtype, torch.device("cpu")).classify(theta.reshape(-1))
+    axis = H._axis(gy, dtype, torch.device("cpu"))
+    assert H._rank_one_2d(part, axis, groups, px.count + 5) is not None
+    got, want = histogram_2d(theta, part, px, gy), histogram_2d(theta, materialised(part), px, gy)
+    np.testing.assert_array_equal(got.counts, want.counts)
+    assert got.extras == want.extras
+    if dtype == torch.float64:  # histogram2d's edges are float64 whatever the data
+        G = materialised(part).reshape(6, -1).numpy()
+        np.testing.assert_array_equal(got.counts, R.histogram_2d(theta.reshape(-1).numpy(), G,
+                                                                 (40, 50), ((-1, 1), (-2, 2))))
+
+
+@pytest.mark.parametrize("case", ["nan", "inf", "underflow", "overflow", "dense", "half"])
+def test_rank_one_fallbacks_stay_exact(case: str) -> None:
+    """Where the factors do not determine the counts cheaply, the part is materialised."""
+    bins = Bins(20, -1.0, 1.0)
+    part = rank_one_tricky(torch.float32, bins)
+    left, right = part.left.clone(), part.right.clone()
+    if case == "nan":
+        left[1, 2] = math.nan
+    elif case == "inf":
+        right[3, 5] = -math.inf
+    elif case == "underflow":  # 1e-30 · 1e-20 rounds to 0 in float32: sign counts would lie
+        left[0, 0], right[0, 1] = -1e-30, 1e-20
+    elif case == "overflow":  # a product of finite factors that rounds to +Inf
+        left[0, 0], right[0, 1] = 1e30, 1e20
+    elif case == "dense":  # most products outside the sign zone
+        right = right * 1e3
+    else:
+        left, right = left.half(), right.half()
+    part = H.RankOne(left, right)
+    axis = H._axis(bins, torch.float32, torch.device("cpu"))
+    if case != "dense":
+        assert not H._factors_usable(part)
+    else:
+        assert H._rank_one_1d(part, axis) is None
+    values = materialised(part)
+    assert_matches_numpy(histogram_1d(part, bins), values.float().numpy(), bins)
+    want = histogram_2d(torch.zeros(9, 23), values, Bins(4, -1.0, 1.0), bins)
+    got = histogram_2d(torch.zeros(9, 23), part, Bins(4, -1.0, 1.0), bins)
+    np.testing.assert_array_equal(got.counts, want.counts)
+    assert got.extras == want.extras
+    assert finite_abs_max(part) == finite_abs_max(values)
+
+
+@given(
+    seed=st.integers(0, 2**16),
+    bins=st.integers(1, 60),
+    lo=st.floats(-3, 0.5),
+    width=st.floats(1e-3, 5),
+    scale=st.sampled_from([1e-3, 1e-1, 1.0, 10.0]),
+)
+@settings(max_examples=40, deadline=None)
+def test_rank_one_random_data_and_ranges(seed, bins, lo, width, scale) -> None:
+    spec = Bins(bins, lo, lo + width)
+    gen = torch.Generator().manual_seed(seed)
+    part = H.RankOne(torch.randn(4, 7, generator=gen) * scale, torch.randn(4, 31, generator=gen))
+    with pytest.MonkeyPatch.context() as patch:  # the searches, whatever the density
+        patch.setattr(H, "_CUT_WORK", math.inf)
+        assert_matches_numpy(histogram_1d(part, spec), materialised(part).numpy(), spec)
+
+
+def test_parts_add_up_like_the_whole() -> None:
+    bins = Bins(30, -0.2, 0.2)
+    part = rank_one_tricky(torch.float32, bins, b=10)
+    whole = materialised(part)
+    pieces = [H.RankOne(part.left[:3], part.right[:3]), whole[3:7],
+              H.RankOne(part.left[7:], part.right[7:])]
+    assert_matches_numpy(histogram_1d(pieces, bins), whole.numpy(), bins)
+    assert finite_abs_max(pieces) == finite_abs_max(whole)
+    with pytest.raises(ValueError, match="no per-sample gradients"):
+        histogram_1d([], bins)
+
+
+def test_classify_near_edges_matches_bucketize() -> None:
+    """The arithmetic first guess is only trusted away from edges: every edge, its float
+    neighbours and far-away values class exactly as a search over the edges would."""
+    for bins in [*BIN_CASES, Bins(7, 1e4, 1e4 + 0.5), Bins(3, -1e-30, 1e-30)]:
+        for dtype in (torch.float32, torch.float64):
+            axis = H._axis(bins, dtype, torch.device("cpu"))
+            e = axis.edges
+            x = torch.cat([e, torch.nextafter(e, e + 1), torch.nextafter(e, e - 1),
+                           torch.randn(500, dtype=dtype) * (bins.hi - bins.lo) + bins.lo,
+                           torch.tensor([0.0, -0.0, 1e30, -1e30, math.nan, math.inf,
+                                         -math.inf], dtype=dtype)])
+            assert torch.equal(axis.classify(x), axis._classify_exactly(x)), bins
+            want = torch.bucketize(x, e, right=True) - 1
+            want = torch.where(x == e[-1], bins.count - 1, want)
+            finite = x.isfinite()
+            inside = finite & (want >= 0) & (want < bins.count)
+            assert torch.equal(axis.classify(x)[inside], want[inside]), bins

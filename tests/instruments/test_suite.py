@@ -22,6 +22,7 @@ from deepscope.instruments import (
     QuantityValue,
     resolve_quantities,
 )
+from deepscope.instruments.histograms import Bins
 
 from . import reference as R
 
@@ -368,15 +369,18 @@ def test_full_configuration_reports_every_quantity() -> None:
 def test_plain_sgd_alpha_reuses_the_gradient_tests_products(monkeypatch) -> None:
     from deepscope.instruments.engine import PerSampleEngine
 
-    calls = []
-    original = PerSampleEngine.dots
-    monkeypatch.setattr(PerSampleEngine, "dots",
-                        lambda self, v: calls.append(1) or original(self, v))
+    calls: list[int] = []  # vectors per engine call
+    original = PerSampleEngine.dots_many
+    monkeypatch.setattr(PerSampleEngine, "dots_many",
+                        lambda self, sets: calls.append(len(sets)) or original(self, sets))
     train(make_case("mlp"), ["InnerTest", "Alpha"], steps=1)
-    assert len(calls) == 1  # gᵢᵀḡ for InnerTest; α's start slopes come from it
+    assert calls == [1]  # gᵢᵀḡ for InnerTest; α's start slopes come from it
     calls.clear()
     train(make_case("mlp"), ["InnerTest", "Alpha"], steps=1, optimizer="adam")
-    assert len(calls) == 2
+    assert calls == [2]  # ḡ and the update, in one pass
+    calls.clear()
+    train(make_case("mlp"), ["InnerTest", "Alpha"], steps=2, optimizer="adam")
+    assert calls == [2, 3]  # step 1 adds α(0)'s end point: still one pass per step
 
 
 class ReadOutside(nn.Module):
@@ -598,3 +602,44 @@ def test_abort_drops_the_step_and_reports_the_lost_alpha() -> None:
     (lost,) = inst.finish()
     assert (lost.name, lost.step, lost.value) == ("Alpha", 0, None)
     assert "failed" in lost.meta["reason"]
+
+
+def test_histograms_of_linear_layers_are_exact_without_materialising(monkeypatch) -> None:
+    """Float32 MLP, bins fine enough that many values are outer: the suite's GradHist1d /
+    GradHist2d (factored rank-one path) equal numpy's on the materialised gradients."""
+    from deepscope.instruments import histograms as H
+    from deepscope.instruments.engine import PerSampleEngine
+
+    used: list[bool] = []
+    original = H._rank_one_1d
+    monkeypatch.setattr(H, "_rank_one_1d",
+                        lambda part, axis: used.append(True) or original(part, axis))
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(40, 30), nn.ReLU(), nn.Linear(30, 5))
+    x, y = torch.randn(16, 40), torch.randint(0, 5, (16,))
+    engine = PerSampleEngine(model)
+    engine.start()
+    F.cross_entropy(model(x), y, reduction="none").mean().backward()
+    engine.stop()
+    engine.set_scale(16)
+    grads = {n: g.reshape(16, -1).numpy() for n, g in engine.per_sample_grads()}
+    theta = {n: p.detach().reshape(-1).numpy().copy() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    inst = Instruments(model, ["GradHist1d", "GradHist2d"], hist_range=(-0.3, 0.3),
+                       hist_bins=60, hist2d_per_layer=True)
+    inst.start(0, "train")
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    inst.loss(losses.mean(), per_sample=losses)
+    losses.mean().backward()
+    values = {(v.name, v.layer): v for v in inst.finish()}
+    assert used  # the factored path, not a materialising fallback
+    for name, G in grads.items():
+        counts, extras = R.histogram_1d(G, 60, -0.3, 0.3)
+        hist = values[("GradHist1d", name)]
+        np.testing.assert_array_equal(hist.array, counts)
+        assert {k: hist.meta[k] for k in extras} == extras
+        hist2 = values[("GradHist2d", name)]
+        want = H.histogram_2d(torch.from_numpy(theta[name]), torch.from_numpy(G),
+                              Bins(40, -1.0, 1.0), Bins(50, -2.0, 2.0))
+        np.testing.assert_array_equal(hist2.array, want.counts)

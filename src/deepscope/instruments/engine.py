@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -37,6 +37,7 @@ from .rules.base import (
     Call,
     Context,
     ModuleGrads,
+    Part,
     Rule,
     Unsupported,
     map_tensors,
@@ -67,8 +68,9 @@ class PerSampleEngine:
     model:       any nn.Module; the batch is dim 0 of each module's input (the rules for
                  nn.MultiheadAttention and RNNs follow their `batch_first`).
     chunk_size:  samples per chunk whenever per-sample gradients are materialised.
-    cache_bytes: per-sample gradients up to this many bytes (all modules together) are kept
-                 for reuse within a step; beyond it they are recomputed when needed.
+    cache_bytes: per-sample gradients up to this many bytes (all modules together, and at
+                 most the largest module's) are kept for reuse within a step; beyond it they
+                 are recomputed when needed.
 
     Parameter names are those of `model.named_parameters()` (a shared parameter once,
     under its first name); only parameters with requires_grad count. Results are in each
@@ -100,7 +102,9 @@ class PerSampleEngine:
                 self._owners[name].append((index, local))
         self._scale = 1.0
         self._handles: list[RemovableHandle] = []
-        self._grad_seen: set[str] = set()
+        # ∂L/∂θ as autograd delivered it to each parameter this step (summed over backward
+        # passes), with its version counter then: in-place edits later (clipping) disqualify it
+        self._observed: dict[str, tuple[Tensor, int]] = {}
         self._reset_step_state()
 
     # -- setup ------------------------------------------------------------------------
@@ -164,7 +168,7 @@ class PerSampleEngine:
         for hooked in self._hooked:
             hooked.calls = []
             hooked.rule.reset()
-        self._grad_seen = set()
+        self._observed = {}
         self.unavailable = {}
         self._reset_step_state()
 
@@ -205,8 +209,11 @@ class PerSampleEngine:
         call.grads[slot] = grad if previous is None else previous + grad
 
     def _on_param_grad(self, name: str, grad: Tensor) -> None:
-        if not hooks_paused():
-            self._grad_seen.add(name)
+        if hooks_paused():
+            return
+        previous = self._observed.get(name)
+        total = grad if previous is None else previous[0] + grad
+        self._observed[name] = (total, total._version)
 
     # -- per-step setup -----------------------------------------------------------------
     @property
@@ -248,7 +255,11 @@ class PerSampleEngine:
         if self._built is not None:
             return self._built
         batch = self.batch_size
-        budget = Budget(self.cache_bytes)
+        # kept per-sample gradients never outweigh the largest module's: peak memory stays
+        # within the training's plus about one layer's per-sample gradients
+        largest = max((batch * sum(p.numel() * p.element_size() for p in h.rule.params.values())
+                       for h in self._hooked), default=0)
+        budget = Budget(min(self.cache_bytes, largest))
         built: dict[int, ModuleGrads | str] = {}
         for index, hooked in enumerate(self._hooked):
             calls = [c for c in hooked.calls if any(g is not None for g in c.grads)]
@@ -297,7 +308,7 @@ class PerSampleEngine:
                     status[pname] = reasons[0]
                 elif live:
                     status[pname] = live
-                elif pname in self._grad_seen:
+                elif pname in self._observed:
                     modules = ", ".join(self._hooked[i].label for i, _ in owners) or "none"
                     status[pname] = (
                         f"it received a gradient, but its module ({modules}) passed none on; "
@@ -319,12 +330,14 @@ class PerSampleEngine:
         return torch.full(shape, value, dtype=p.dtype, device=p.device)
 
     def _gather(
-        self, key: str, per_sample: bool, single: Callable[[ModuleGrads], dict[str, Tensor]]
+        self, key: str, per_sample: bool, single: Callable[[int], dict[str, Tensor]]
     ) -> dict[str, Tensor]:
-        """name -> statistic, by `single` from each parameter's module (cached per step)."""
+        """name -> statistic, by `single(module index)` from each parameter's module (cached
+        per step)."""
         self._build()
         if key not in self._cache:
             out = {}
+            modules: dict[int, dict[str, Tensor]] = {}  # one call per module
             for name in self.param_names:
                 owners = self._owners_of(name)
                 if owners is None:
@@ -333,7 +346,9 @@ class PerSampleEngine:
                     out[name] = self._constant(name, per_sample, math.nan)
                 elif len(owners) == 1:
                     index, local = owners[0]
-                    out[name] = single(self._built[index])[local]
+                    if index not in modules:
+                        modules[index] = single(index)
+                    out[name] = modules[index][local]
                 else:
                     out[name] = self._shared_stats(name, owners)[key]
             self._cache[key] = out
@@ -355,20 +370,63 @@ class PerSampleEngine:
 
     def sq_norms(self) -> dict[str, Tensor]:
         """name -> (B,) ‖gᵢ⁽ᵏ⁾‖² (squared L2 norm of each sample's gradient)."""
-        return self._gather("sq", True, lambda mg: mg.sq_norms())
+        return self._gather("sq", True, lambda i: self._built[i].sq_norms())
 
     def grad_mean(self) -> dict[str, Tensor]:
         """name -> ḡ⁽ᵏ⁾ = (1/B) Σᵢ gᵢ⁽ᵏ⁾, parameter-shaped (the mean-loss gradient)."""
-        sums = self._gather("sum", False, lambda mg: mg.grad_sum())
+        sums = self._gather("sum", False, self._module_sum)
         return {name: s / self.batch_size for name, s in sums.items()}
+
+    def _module_sum(self, index: int) -> dict[str, Tensor]:
+        """Σᵢ gᵢ of one module's parameters. The gradients autograd delivered are offered
+        to the rule, which may accept them after a cheap check instead of recomputing:
+        they differ from Σᵢ gᵢ when the backpropagated loss has terms that reach the
+        parameter other than through this module's outputs (a penalty on θ), or when
+        they were edited in place (clipping)."""
+        hooked = self._hooked[index]
+        observed = {}
+        for local, name in hooked.names.items():
+            kept = self._observed.get(name)
+            if kept is not None and kept[0]._version == kept[1] and len(self._owners[name]) == 1:
+                observed[local] = kept[0] * self._scale  # Σᵢ gᵢ = scale · ∂L/∂θ
+        return self._built[index].grad_sum(observed)
 
     def second_moments(self) -> dict[str, Tensor]:
         """name -> Σᵢ (gᵢ⁽ᵏ⁾)² elementwise, parameter-shaped (not divided by B)."""
-        return self._gather("m2", False, lambda mg: mg.second_moments())
+        return self._gather("m2", False, lambda i: self._built[i].second_moments())
 
     def dots(self, vectors: dict[str, Tensor]) -> dict[str, Tensor]:
         """name -> (B,) gᵢ⁽ᵏ⁾·v⁽ᵏ⁾ for each name in `vectors` (parameter-shaped tensors);
         parameters missing from `vectors` are skipped."""
+        return self.dots_many([vectors])[0]
+
+    def dots_many(self, vector_sets: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+        """`dots` of several sets of vectors, from one pass over each module's captures."""
+        checked_sets = [self._check_vectors(vectors) for vectors in vector_sets]
+        built = self._build()
+        out: list[dict[str, Tensor]] = [{} for _ in checked_sets]
+        # module index -> one {local name: vector} per set
+        per_module: dict[int, list[dict[str, Tensor]]] = {}
+        for k, checked in enumerate(checked_sets):
+            for name, v in checked.items():
+                owners = self._owners_of(name)
+                if owners is None:
+                    out[k][name] = self._constant(name, True, 0.0)
+                elif isinstance(owners, str):
+                    out[k][name] = self._constant(name, True, math.nan)
+                else:
+                    for index, local in owners:
+                        sets = per_module.setdefault(index, [{} for _ in checked_sets])
+                        sets[k][local] = v
+        for index, sets in per_module.items():  # one call per module: shared passes
+            for k, dots in enumerate(built[index].dots(sets)):
+                for local, dot in dots.items():
+                    name = self._hooked[index].names[local]
+                    out[k][name] = out[k][name] + dot if name in out[k] else dot
+        return [{name: got[name] for name in checked} for got, checked in zip(out, checked_sets)]
+
+    def _check_vectors(self, vectors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """`vectors` validated, in each parameter's dtype and device."""
         if not isinstance(vectors, dict):
             raise TypeError(f"vectors must be a dict name -> tensor, got {type(vectors).__name__}")
         checked = {}
@@ -383,23 +441,38 @@ class PerSampleEngine:
                     f"{tuple(p.shape)}, got {got}"
                 )
             checked[name] = v.to(device=p.device, dtype=p.dtype)
+        return checked
+
+    def per_sample_parts(self) -> Iterator[tuple[str, Part]]:
+        """(name, part) covering every parameter's gᵢ, without joining them: consecutive
+        samples per part, in sample order per parameter, one module's at a time (parts of
+        one module's parameters interleave). A part is a (b, *param.shape) tensor or, for
+        outer-product layers, a `RankOne` factorisation (see `rules.base`)."""
         built = self._build()
-        out = {}
-        per_module: dict[int, dict[str, Tensor]] = {}
-        for name, v in checked.items():
+        batch = self.batch_size
+        done: set[int] = set()
+        for name in self.param_names:
             owners = self._owners_of(name)
-            if owners is None:
-                out[name] = self._constant(name, True, 0.0)
-            elif isinstance(owners, str):
-                out[name] = self._constant(name, True, math.nan)
-            else:
-                for index, local in owners:
-                    per_module.setdefault(index, {})[local] = v
-        for index, subset in per_module.items():  # one call per module: shared re-runs
-            for local, dot in built[index].dots(subset).items():
-                name = self._hooked[index].names[local]
-                out[name] = out[name] + dot if name in out else dot
-        return {name: out[name] for name in checked}
+            if owners is None or isinstance(owners, str):
+                value = 0.0 if owners is None else math.nan
+                p = self._params[name]
+                for lo in range(0, batch, self.chunk_size):
+                    shape = (min(self.chunk_size, batch - lo), *p.shape)
+                    yield name, torch.full(shape, value, dtype=p.dtype, device=p.device)
+            elif len(owners) > 1:  # shared: gᵢ is the sum over the modules using it
+                for lo in range(0, batch, self.chunk_size):
+                    hi = min(lo + self.chunk_size, batch)
+                    yield name, sum(built[i].chunk(lo, hi)[local] for i, local in owners)
+            elif owners[0][0] not in done:
+                index = owners[0][0]
+                done.add(index)
+                names = self._hooked[index].names
+                alone = {local for local, n in names.items()
+                         if self._owners_of(n) == [(index, local)]}
+                for part in built[index].parts():
+                    for local, value in part.items():
+                        if local in alone:
+                            yield names[local], value
 
     def per_sample_grads(self) -> Iterator[tuple[str, Tensor]]:
         """(name, (B, *param.shape) gᵢ) for every parameter, one module's at a time."""

@@ -17,6 +17,7 @@ is reported with value None and meta["reason"]; finish() never raises.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from functools import cached_property, reduce
@@ -40,7 +41,7 @@ from .config import (
 )
 from .curvature import HessianOperator
 from .engine import PerSampleEngine
-from .histograms import Bins, Histogram, finite_abs_max, histogram_1d, histogram_2d, symmetric_bins
+from .histograms import Bins, GradHistogram, Histogram, finite_abs_max, symmetric_bins
 from .quantities import (
     cabs,
     early_stopping,
@@ -64,6 +65,7 @@ Schedule = Callable[[int, str], bool]
 # for more accurate curvature. Hutchinson's diagonal is very noisy with 2 probes.
 HUTCHINSON_SAMPLES = 2
 LANCZOS_ITER = 10
+CPU_PLAIN_HVP_DIM = 2**16  # from this many parameters on, HVPs one at a time on CPU
 NO_LOSS = "loss() was not called in this step; call rec.loss(loss, per_sample=losses)"
 # An update this close to −ḡ in direction (1 + cosine) is a plain SGD step, and α projects
 # on −ḡ/‖ḡ‖ (as Cockpit does): storing θ in float32 rounds the realised update, typically to
@@ -96,6 +98,8 @@ class _Batch:
     """Per-step statistics from the engine, each computed once and shared.
 
     Per-layer results are float64 with one row per parameter tensor, in `names` order.
+    Dot products gᵢ·v with several vectors share one pass over the captures: `want` them
+    all before the first `dots`.
     """
 
     def __init__(self, engine: PerSampleEngine, losses: Tensor) -> None:
@@ -106,6 +110,9 @@ class _Batch:
                 f"the model saw a batch of {self.size} samples but per_sample has "
                 f"{losses.shape[0]}; pass the per-sample losses of this batch"
             )
+        self._wanted: dict[str, dict[str, Tensor]] = {}
+        self._dots: dict[str, Tensor] = {}
+        self._sgd: dict[str, bool] = {}  # is_sgd_step, by key
 
     @cached_property
     def grad_mean(self) -> list[Tensor]:
@@ -122,32 +129,52 @@ class _Batch:
         """(K,) Σᵢ ‖gᵢ⁽ᵏ⁾‖²."""
         return torch.stack([v.double().sum() for v in self.engine.sq_norms().values()])
 
+    def want(self, key: str, vectors: dict[str, Tensor] | None = None) -> None:
+        """Register vectors (per parameter tensor; None: ḡ) for `dots(key)`."""
+        self._wanted[key] = dict(zip(self.engine.param_names, self.grad_mean)) \
+            if vectors is None else vectors
+
+    def dots(self, key: str) -> Tensor:
+        """(K, B) gᵢ⁽ᵏ⁾·v⁽ᵏ⁾ for the vectors registered as `key`; the first call computes
+        those of every registered key at once."""
+        if key not in self._dots:
+            keys = [key, *(k for k in self._wanted if k not in self._dots and k != key)]
+            results = self.engine.dots_many([self._wanted[k] for k in keys])
+            for k, dots in zip(keys, results):
+                self._dots[k] = torch.stack([v.double() for v in dots.values()])
+        return self._dots[key]
+
     @cached_property
     def dots_with_mean(self) -> Tensor:
         """(K, B) gᵢ⁽ᵏ⁾ᵀḡ⁽ᵏ⁾."""
-        names = self.engine.param_names
-        dots = self.engine.dots(dict(zip(names, self.grad_mean)))
-        return torch.stack([dots[n].double() for n in names])
+        if "mean" not in self._wanted:
+            self.want("mean")
+        return self.dots("mean")
+
+    def is_sgd_step(self, key: str, update: dict[str, Tensor], tau: float) -> bool:
+        """Whether the gradient tests take gᵢᵀḡ at this step and d̂ = d/τ (the update
+        `key`) is −ḡ/‖ḡ‖ up to round-off (a plain SGD step): then α's slopes are
+        −gᵢᵀḡ/‖ḡ‖, one vector fewer."""
+        if key not in self._sgd:
+            norm = float(self.grad_sq_norms.sum().sqrt()) if "mean" in self._wanted else 0.0
+            inner = sum(float(torch.vdot(d.reshape(-1), g.reshape(-1).to(d)))
+                        for d, g in zip(update.values(), self.grad_mean)) if norm > 0 else 0.0
+            self._sgd[key] = norm > 0 and inner / (tau * norm) < -1 + SGD_COSINE_TOLERANCE
+        return self._sgd[key]
+
+    def projections(self, key: str, update: dict[str, Tensor], tau: float) -> Tensor:
+        """(B,) gᵢᵀd̂ over the whole model along d̂ = d/τ, d registered as `key` (unless it
+        is a plain SGD step, see `is_sgd_step`)."""
+        if key not in self._wanted and self.is_sgd_step(key, update, tau):
+            return -self.dots_with_mean.sum(0) / float(self.grad_sq_norms.sum().sqrt())
+        if key not in self._wanted:
+            self.want(key, update)
+        return self.dots(key).sum(0) / tau
 
     @cached_property
     def second_moment_sums(self) -> list[Tensor]:
         """Σᵢ (gᵢ⁽ᵏ⁾)², parameter-shaped."""
         return list(self.engine.second_moments().values())
-
-    def projections(self, update: dict[str, Tensor], tau: float) -> Tensor:
-        """(B,) gᵢᵀd̂ over the whole model along d̂ = d/τ, d given per parameter tensor.
-
-        When the gradient tests already took gᵢᵀḡ at this step and d̂ is −ḡ/‖ḡ‖ up to
-        round-off (a plain SGD step), −gᵢᵀḡ/‖ḡ‖ is used: one pass over the captures saved.
-        """
-        if "dots_with_mean" in vars(self):  # cached_property: computed already
-            norm = float(self.grad_sq_norms.sum().sqrt())
-            inner = sum(float(torch.vdot(d.reshape(-1), g.reshape(-1).to(d)))
-                        for d, g in zip(update.values(), self.grad_mean))
-            if norm > 0 and inner / (tau * norm) < -1 + SGD_COSINE_TOLERANCE:
-                return -self.dots_with_mean.sum(0) / norm
-        dots = self.engine.dots(update)
-        return torch.stack([v.double() for v in dots.values()]).sum(0) / tau
 
     def unavailable(self) -> dict[str, str]:
         """Parameter name -> why its per-sample gradients could not be obtained."""
@@ -240,6 +267,7 @@ class Instruments:
         self._warnings: list[str] = []
         self._theta0: list[Tensor] | None = None
         self._pending: AlphaStart | None = None  # α start point waiting for the next step
+        self._hvp_batched: bool | None = None  # vmapped HVPs verified on this model
         self._deferred: list[QuantityValue] = []  # values known before their finish()
         self._reset()
 
@@ -250,6 +278,7 @@ class Instruments:
         self._alpha_end: AlphaStart | None = None
         self._engine_on = False
         self._theta: list[Tensor] | None = None
+        self._update_sizes: Tensor | None = None  # (K + 1,) ‖dₜ‖ per tensor, then in total
         self._distance: Tensor | None = None
         self._loss: Tensor | None = None  # L, float64 scalar
         self._losses: Tensor | None = None  # ℓᵢ, (B,)
@@ -403,7 +432,12 @@ class Instruments:
         params = list(self._params.values())
         try:
             # paused: every deepscope hook (engine, recorder, monitor) ignores these passes
-            with paused(), HessianOperator(mean_loss, params) as op:
+            # on CPU, vmapped HVPs only pay while per-pass overhead dominates (2.7e5
+            # parameters: two vmapped 8.0 ms, two plain 6.8 ms)
+            dim = sum(p.numel() for p in params)
+            one_by_one = 1 if mean_loss.device.type == "cpu" and dim >= CPU_PLAIN_HVP_DIM else None
+            with paused(), HessianOperator(mean_loss, params, one_by_one,
+                                           batched=self._hvp_batched) as op:
                 if due & NEEDS_DIAGONAL:
                     try:
                         diagonal = hessian_diagonal(op, self.curvature, self.hutchinson_samples,
@@ -419,6 +453,7 @@ class Instruments:
                         self._curvature["max_ev"] = hess_max_ev(op, self.lanczos_iter, seed)
                     except Exception as error:
                         self._failed["HessMaxEV"] = _describe(error)
+                self._hvp_batched = op.batched  # checked once per model, not every step
         except Exception as error:  # e.g. the operator cannot be built
             self._failed.update(dict.fromkeys(due, _describe(error)))
 
@@ -475,6 +510,12 @@ class Instruments:
                 batch = _Batch(self._engine, self._losses)
             except Exception as error:
                 batch_error = _describe(error)
+        if update is not None:
+            self._update_sizes = layer_norms(update)
+        if batch is not None:
+            # a failure here is reported by each quantity that needs the products
+            with contextlib.suppress(Exception):
+                self._want_dots(batch, update)
 
         def attempt(name: str, compute: Callable[[], list[QuantityValue]]) -> None:
             if self._loss is None and name not in ("Distance", "UpdateSize"):
@@ -506,6 +547,18 @@ class Instruments:
                 attempt(name, lambda name=name: self._quantity(name, batch, update))
         return out
 
+    def _want_dots(self, batch: _Batch, update: list[Tensor] | None) -> None:
+        """Register every gᵢ·v this step needs, so that they share one pass."""
+        if self._due & {"InnerTest", "OrthoTest"}:
+            batch.want("mean")
+        if self._alpha_end is not None:
+            batch.want("end", self._alpha_end.update)
+        if "Alpha" in self._due and update is not None:
+            named = dict(zip(self._names, update))
+            tau = float(self._update_sizes[-1])
+            if tau > 0 and not batch.is_sgd_step("start", named, tau):
+                batch.want("start", named)
+
     def _quantity(
         self, name: str, batch: _Batch | None, update: list[Tensor] | None
     ) -> list[QuantityValue]:
@@ -516,7 +569,7 @@ class Instruments:
         if name == "Distance":
             return self._rows(name, self._distance)
         if name == "UpdateSize":
-            return self._rows(name, layer_norms(update))
+            return self._rows(name, self._update_sizes)
         if name in ("HessTrace", "HessMaxEV"):
             return self._curvature_values(name)
         if name == "Alpha":
@@ -582,17 +635,17 @@ class Instruments:
     # -- α ---------------------------------------------------------------------------------
     def _alpha_start(self, batch: _Batch, update: list[Tensor]) -> list[QuantityValue]:
         """Measure α's start point; α itself comes at the next step (or now if τ = 0)."""
-        tau = float(layer_norms(update)[-1])
+        tau = float(self._update_sizes[-1])
         if tau == 0:
             return [QuantityValue("Alpha", self._step, value=-1.0, meta={"tau": 0.0})]
         named = dict(zip(self._names, update))
-        point = line_point(self._losses, batch.projections(named, tau))
+        point = line_point(self._losses, batch.projections("start", named, tau))
         self._pending = AlphaStart(self._step, point, named, tau)
         return []
 
     def _alpha_value(self, start: AlphaStart, batch: _Batch) -> QuantityValue:
         """α of step start.step from its start point and this step's end point."""
-        end = line_point(self._losses, batch.projections(start.update, start.tau))
+        end = line_point(self._losses, batch.projections("end", start.update, start.tau))
         fit = fit_alpha(start.point, end, start.tau)
         meta: dict[str, Any] = {
             "tau": start.tau, "end_step": self._step,
@@ -608,29 +661,33 @@ class Instruments:
     # -- histograms --------------------------------------------------------------------------
     def _histogram_pass(self, batch: _Batch) -> dict[str, tuple[dict[str, Histogram], dict]]:
         """GradHist1d and GradHist2d (those due) per parameter tensor, from one pass over
-        the per-sample gradients, one tensor at a time: name -> (per layer, meta)."""
+        the per-sample gradients, part by part: name -> (per layer, meta)."""
         due = {"GradHist1d", "GradHist2d"} & self._due
         meta: dict[str, dict[str, Any]] = {name: {} for name in due}
+        engine = batch.engine
         bins = self._hist_bins
-        # batch.unavailable() is complete once the engine yielded its first tensor
+        # batch.unavailable() is complete once the engine yielded its first part
         if "GradHist1d" in due and bins is None:  # adaptive: a first pass for the range
-            bound = max((finite_abs_max(g) for n, g in batch.engine.per_sample_grads()
-                         if n not in batch.unavailable()), default=0.0)
+            bound = finite_abs_max(part for n, part in engine.per_sample_parts()
+                                   if n not in batch.unavailable())
             bins = symmetric_bins(self.hist_bins, bound)
             meta["GradHist1d"]["range"] = "adaptive"
         theta = dict(zip(self._names, self._theta or []))
-        per_layer: dict[str, dict[str, Histogram]] = {name: {} for name in due}
-        for pname, grads in batch.engine.per_sample_grads():
+        param_bins, grad_bins = self._hist2d
+        counters: dict[str, dict[str, GradHistogram]] = {name: {} for name in due}
+        for pname, part in engine.per_sample_parts():
             if pname in batch.unavailable():
                 continue
             if "GradHist1d" in due:
-                per_layer["GradHist1d"][pname] = histogram_1d(grads, bins)
-            if "GradHist2d" in due:
-                per_layer["GradHist2d"][pname] = histogram_2d(theta[pname], grads, *self._hist2d)
+                counters["GradHist1d"].setdefault(pname, GradHistogram(bins)).add(part)
+            if "GradHist2d" in due:  # (a GradHistogram costs nothing until its first add)
+                counters["GradHist2d"].setdefault(
+                    pname, GradHistogram(grad_bins, theta[pname], param_bins)).add(part)
         if batch.unavailable():
             for extra in meta.values():
                 extra["excluded"] = sorted(batch.unavailable())
-        return {name: (per_layer[name], meta[name]) for name in due}
+        return {name: ({n: counters[name][n].result() for n in self._names
+                        if n in counters[name]}, meta[name]) for name in due}
 
     def _histograms(self, name: str, batch: _Batch) -> list[QuantityValue]:
         """GradHist1d / GradHist2d values: total, and per layer (2-D: if hist2d_per_layer)."""

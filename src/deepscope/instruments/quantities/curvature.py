@@ -81,8 +81,9 @@ def tic_diag(
         diagonals: the matching segments of diag(H) (same element counts).
         eps: ε (Cockpit: 1e-7).
     """
+    # m is promoted to float64 inside the division (exactly), without a float64 copy
     terms = [
-        (m.double().reshape(-1) / (h.to(m.device, torch.float64).reshape(-1) + eps)).sum()
+        (m.reshape(-1) / (h.to(m.device, torch.float64).reshape(-1) + eps)).sum()
         for m, h in zip(second_moments, diagonals)
     ]
     return with_total(torch.stack(terms))

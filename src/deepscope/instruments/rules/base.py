@@ -11,7 +11,7 @@ Notation: B batch size, gᵢ = ∇θ ℓᵢ the gradient of sample i's loss (not
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,36 @@ class Context:
     chunk_size: int
     budget: Budget
     warn: Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class RankOne:
+    """Per-sample gradients of consecutive samples that are outer products, never formed:
+    gᵢ = left[i] ⊗ right[i], element (o, j) of sample i is ``left[i, o] * right[i, j]``
+    (rounded once, as materialising them would), in the row-major order of the parameter.
+
+    left: (b, O).  right: (b, I), same dtype and device.
+    """
+
+    left: Tensor
+    right: Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.left.dtype
+
+    @property
+    def samples(self) -> int:
+        return self.left.shape[0]
+
+    def materialise(self, lo: int, hi: int) -> Tensor:
+        """The gradients of samples lo..hi-1 of this part, (hi - lo, O·I)."""
+        return (self.left[lo:hi, :, None] * self.right[lo:hi, None, :]).flatten(1)
+
+
+# A part of one parameter's per-sample gradients: consecutive samples, materialised
+# (b, *param.shape) or factored.
+Part = Tensor | RankOne
 
 
 class Budget:
@@ -138,6 +168,11 @@ class ModuleGrads:
         """gᵢ for samples lo..hi-1: name -> (hi - lo, *param.shape)."""
         raise NotImplementedError
 
+    def parts(self) -> Iterator[dict[str, Part]]:
+        """Every gᵢ, as parts of consecutive samples covering the batch, in the cheapest form
+        the rule has: factored (`RankOne`) where it can, else materialised chunks."""
+        return self.chunks()
+
     def chunk(self, lo: int, hi: int) -> dict[str, Tensor]:
         """gᵢ for samples lo..hi-1, from the kept tensors when there are any."""
         if self._kept is not None:
@@ -182,21 +217,32 @@ class ModuleGrads:
         """name -> (B,) ‖gᵢ‖²."""
         return self._fused_pass()[0]
 
-    def grad_sum(self) -> dict[str, Tensor]:
-        """name -> Σᵢ gᵢ, parameter-shaped."""
+    def grad_sum(self, observed: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """name -> Σᵢ gᵢ, parameter-shaped.
+
+        observed: what autograd delivered to the parameters, scaled to Σᵢ gᵢ (absent where
+        unusable). A rule may return it after a check, much cheaper than the sum, that it
+        equals Σᵢ gᵢ up to round-off; by default it is ignored.
+        """
         return self._fused_pass()[1]
 
     def second_moments(self) -> dict[str, Tensor]:
         """name -> Σᵢ gᵢ² (elementwise), parameter-shaped."""
         return self._fused_pass()[2]
 
-    def dots(self, vectors: dict[str, Tensor]) -> dict[str, Tensor]:
-        """name -> (B,) gᵢ·v for the names in `vectors` (parameter-shaped, same dtype)."""
-        parts: dict[str, list[Tensor]] = {name: [] for name in vectors}
+    def dots(self, vector_sets: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+        """For each set: name -> (B,) gᵢ·v for the names in it (parameter-shaped, same dtype).
+
+        All sets share one pass over the per-sample gradients.
+        """
+        names = {name for vectors in vector_sets for name in vectors}
+        parts: dict[str, list[Tensor]] = {name: [] for name in names}
         for chunk in self.chunks():
-            for name, v in vectors.items():
-                parts[name].append(chunk[name].flatten(1) @ v.reshape(-1))
-        return {name: torch.cat(p) for name, p in parts.items()}
+            for name in names:
+                stacked = [vs[name].reshape(-1) for vs in vector_sets if name in vs]
+                parts[name].append(chunk[name].flatten(1) @ torch.stack(stacked, 1))
+        joined = {name: torch.cat(p) for name, p in parts.items()}
+        return split_dots(joined, vector_sets)
 
     def all_per_sample(self) -> dict[str, Tensor]:
         """name -> (B, *param.shape): every gᵢ of this module at once."""
@@ -207,6 +253,18 @@ class ModuleGrads:
             for name, g in chunk.items():
                 parts[name].append(g)
         return {name: torch.cat(p) for name, p in parts.items()}
+
+
+def split_dots(
+    joined: dict[str, Tensor], vector_sets: Sequence[dict[str, Tensor]]
+) -> list[dict[str, Tensor]]:
+    """Per-set results from name -> (B, k) columns, one per set that has the name, in order."""
+    out: list[dict[str, Tensor]] = [{} for _ in vector_sets]
+    for name, columns in joined.items():
+        holders = [k for k, vectors in enumerate(vector_sets) if name in vectors]
+        for column, k in enumerate(holders):
+            out[k][name] = columns[:, column]
+    return out
 
 
 class DenseGrads(ModuleGrads):

@@ -7,6 +7,8 @@ D — and gets every statistic from those rows without a (B, V, D) tensor.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -39,16 +41,18 @@ class EmbeddingGrads(ModuleGrads):
     def sq_norms(self) -> dict[str, Tensor]:
         return {"weight": self._per_sample_sum(self.rows.square().sum(1))}
 
-    def grad_sum(self) -> dict[str, Tensor]:
-        return {"weight": self._per_row_sum(self.rows)}
+    def grad_sum(self, observed: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        return {"weight": self._per_row_sum(self.rows)}  # as cheap as checking `observed`
 
     def second_moments(self) -> dict[str, Tensor]:
         return {"weight": self._per_row_sum(self.rows.square())}
 
-    def dots(self, vectors: dict[str, Tensor]) -> dict[str, Tensor]:
-        if "weight" not in vectors:
-            return {}
-        return {"weight": self._per_sample_sum((self.rows * vectors["weight"][self.index]).sum(1))}
+    def dots(self, vector_sets: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+        return [
+            {"weight": self._per_sample_sum((self.rows * v["weight"][self.index]).sum(1))}
+            if "weight" in v else {}
+            for v in vector_sets
+        ]
 
 
 class EmbeddingRule(Rule):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -164,7 +164,7 @@ class GenericGrads(ModuleGrads):
         return total
 
     # -- statistics without per-sample gradients --------------------------------------
-    def grad_sum(self) -> dict[str, Tensor]:
+    def grad_sum(self, observed: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
         if self._fused is not None or self._kept is not None or not self.rule.batched:
             return self._fused_pass()[1]
         if self._sum is None:
@@ -179,14 +179,14 @@ class GenericGrads(ModuleGrads):
             self._sum = total
         return self._sum
 
-    def dots(self, vectors: dict[str, Tensor]) -> dict[str, Tensor]:
+    def dots(self, vector_sets: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
         if self._kept is not None or self.rule.no_jvp or not self.rule.batched:
-            return super().dots(vectors)
+            return super().dots(vector_sets)
         try:
-            return self._dots_jvp(vectors)
+            return [self._dots_jvp(vectors) for vectors in vector_sets]
         except Exception:  # an op without a forward-AD formula: materialise instead
             self.rule.no_jvp = True
-            return super().dots(vectors)
+            return super().dots(vector_sets)
 
     def _dots_jvp(self, vectors: dict[str, Tensor]) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}

@@ -8,12 +8,23 @@ Several calls of one module are concatenated along t, which sums their contribut
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
-from .base import Call, Context, ModuleGrads, Rule, Unsupported, first_input
+from .base import (
+    Call,
+    Context,
+    ModuleGrads,
+    Part,
+    RankOne,
+    Rule,
+    Unsupported,
+    first_input,
+    split_dots,
+)
 
 Patches = Callable[[int, int], tuple[Tensor, Tensor]]
 
@@ -91,24 +102,49 @@ class OuterProductGrads(ModuleGrads):
             self._sq = self._fused_pass()[0]
         return self._sq
 
-    def grad_sum(self) -> dict[str, Tensor]:
+    def grad_sum(self, observed: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """Σᵢ gᵢ. The weight's is `observed` when Freivalds' check accepts it: one pass over
+        the patches with a fixed random vector r instead of a (O, I)-sized product per
+        sample position."""
         if self._sum is not None:
             return self._sum
         if self._fused is not None or self._kept is not None:
             self._sum = self._fused_pass()[1]
             return self._sum
+        candidate = (observed or {}).get(self.weight) if self.weight else None
+        sums = self._sums_and_check(candidate)
+        if self.weight and self.weight not in sums:  # no candidate, or it failed the check
+            sums = self._sums_and_check(None)
+        self._sum = {n: s.reshape(self.shapes[n]) for n, s in sums.items()}
+        return self._sum
+
+    def _sums_and_check(self, candidate: Tensor | None) -> dict[str, Tensor]:
+        """One pass over the patches for the sums: the bias's always; the weight's is
+        `candidate` if it passes the check, absent if it fails, computed if there is none."""
+        groups, O, I = self.groups, self.O, self.I
+        r = _probe(I, self.dtype, candidate.device) if candidate is not None else None
         sums: dict[str, Tensor] = {}
         for lo in range(0, self.ctx.batch_size, self.step):
             x, g = self.patches(lo, min(lo + self.step, self.ctx.batch_size))
-            part = {}
-            if self.weight:
-                part[self.weight] = torch.einsum("bgto,bgti->goi", g, x)
+            part: dict[str, Tensor] = {}
             if self.bias:
                 part[self.bias] = g.sum((0, 2))
+            if r is not None:  # Σᵢ gᵢ r = Σ g (x·r), and its bound Σ |g| (|x|·|r|)
+                part["u"] = torch.einsum("bgto,bgt->go", g, x @ r)
+                part["e"] = torch.einsum("bgto,bgt->go", g.abs(), x.abs() @ r.abs())
+            elif self.weight:
+                part[self.weight] = torch.einsum("bgto,bgti->goi", g, x)
             for n, s in part.items():
                 sums[n] = sums[n] + s if n in sums else s
-        self._sum = {n: s.reshape(self.shapes[n]) for n, s in sums.items()}
-        return self._sum
+        if r is not None:
+            u, e = sums.pop("u"), sums.pop("e")
+            v = candidate.reshape(groups, O, I) @ r
+            # both sides round a chain of B·T + I products: |error| ≤ (B·T + I)·ε·e each
+            eps = torch.finfo(self.dtype).eps
+            chain = self.ctx.batch_size * self.T + I + 4
+            if bool(((u - v).abs() <= 2 * chain * eps * e).all()):
+                sums[self.weight] = candidate
+        return sums
 
     def second_moments(self) -> dict[str, Tensor]:
         if self._m2 is not None:
@@ -126,21 +162,47 @@ class OuterProductGrads(ModuleGrads):
             self._m2 = self._fused_pass()[2]
         return self._m2
 
-    def dots(self, vectors: dict[str, Tensor]) -> dict[str, Tensor]:
+    def dots(self, vector_sets: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
         if self._kept is not None:
-            return super().dots(vectors)
-        vw = vectors.get(self.weight) if self.weight else None
-        vb = vectors.get(self.bias) if self.bias else None
+            return super().dots(vector_sets)
+        groups, O, I = self.groups, self.O, self.I
+        # gᵢ·V = Σₜ gₜᵀ V xₜ: one product per vector, every vector from the same patches
+        ws = [vs[self.weight].reshape(groups, O, I) for vs in vector_sets
+              if self.weight and self.weight in vs]
+        bs = [vs[self.bias].reshape(groups, O) for vs in vector_sets
+              if self.bias and self.bias in vs]
         parts: dict[str, list[Tensor]] = {}
         for lo in range(0, self.ctx.batch_size, self.step):
             x, g = self.patches(lo, min(lo + self.step, self.ctx.batch_size))
-            if vw is not None:  # gᵢ·V = Σₜ gₜᵀ V xₜ: one matmul, no per-sample gradients
-                xv = torch.einsum("bgti,goi->bgto", x, vw.reshape(self.groups, self.O, self.I))
-                parts.setdefault(self.weight, []).append((xv * g).sum((1, 2, 3)))
-            if vb is not None:
-                bias_dot = (g.sum(2) * vb.reshape(self.groups, self.O)).sum((1, 2))
-                parts.setdefault(self.bias, []).append(bias_dot)
-        return {n: torch.cat(p) for n, p in parts.items()}
+            if ws:
+                dots = [(torch.einsum("bgti,goi->bgto", x, w) * g).sum((1, 2, 3)) for w in ws]
+                parts.setdefault(self.weight, []).append(torch.stack(dots, 1))
+            if bs:
+                summed = g.sum(2)
+                dots = [(summed * v).sum((1, 2)) for v in bs]
+                parts.setdefault(self.bias, []).append(torch.stack(dots, 1))
+        return split_dots({n: torch.cat(p) for n, p in parts.items()}, vector_sets)
+
+    def parts(self) -> Iterator[dict[str, Part]]:
+        if self.T != 1 or self.groups != 1:
+            yield from self.chunks()
+            return
+        x, g = self.patches(0, self.ctx.batch_size)  # one position: gᵢ = gout ⊗ x
+        out: dict[str, Part] = {}
+        if self.weight:
+            out[self.weight] = RankOne(g[:, 0, 0], x[:, 0, 0])
+        if self.bias:
+            out[self.bias] = g[:, 0, 0].reshape(-1, *self.shapes[self.bias])
+        yield out
+
+
+@functools.lru_cache(maxsize=32)
+def _probe(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A fixed standard-normal vector of length n for Freivalds' check (fixed, so that
+    results are reproducible)."""
+    generator = torch.Generator().manual_seed(20240601)
+    r = torch.randn(n, generator=generator, dtype=torch.float64)
+    return r.to(device=device, dtype=dtype)
 
 
 class LinearRule(Rule):
