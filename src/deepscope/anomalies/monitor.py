@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from ..hookstate import hooks_paused
+from ..naming import named_leaves
 from .detectors import Detector, StepContext, default_detectors
 from .findings import Finding, StopTraining
 from .trace import CallRecord, ModelMap, Slots, Stat, StepRecord, TensorRecord, Tracer
@@ -260,7 +261,7 @@ class HealthMonitor:
         if type(output) is Tensor:  # the usual case, kept short: this runs for every module
             outs = [("", output)] if _usable(output) else []
         else:
-            outs = [(s, t) for s, t in _leaves(output) if _usable(t)]
+            outs = [(s, t) for s, t in named_leaves(output) if _usable(t)]
         if len(args) == 1 and type(args[0]) is Tensor:
             ins = [args[0]] if _usable(args[0]) else []
         else:
@@ -533,26 +534,9 @@ def _cannot_create_nonfinite(module: nn.Module) -> bool:
     return type(module) in _SAFE  # exact types: a subclass may compute anything
 
 
-def _leaves(obj: Any, suffix: str = "") -> list[tuple[str, Tensor]]:
-    """(suffix, tensor) for every tensor in an output or argument tuple (dict, tuple, list)."""
-    if isinstance(obj, Tensor):
-        return [(suffix, obj)]
-    if isinstance(obj, dict):
-        return [leaf for k, v in obj.items() for leaf in _leaves(v, f"{suffix}.{k}")]
-    if isinstance(obj, (tuple, list)):
-        return [leaf for i, v in enumerate(obj) for leaf in _leaves(v, f"{suffix}.{i}")]
-    return []
-
-
 def _tensors(obj: Any) -> list[Tensor]:
     """Every tensor in an argument tuple (nested tuples, lists and dicts included)."""
-    if isinstance(obj, Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for v in obj for t in _tensors(v)]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    return []
+    return [t for _, t in named_leaves(obj)]
 
 
 def _usable(t: Tensor) -> bool:

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..anomalies.monitor import HealthMonitor
 from ..hookstate import hooks_paused
+from ..naming import named_leaves
 from ..store.layout import check_run_name, rank_file, rank_files
 from ..store.writer import StoreWriter
 from .schedule import Schedule, as_schedule, every
@@ -279,7 +280,7 @@ class Scope:
 
     def _record_output(self, rec: StepRecorder, path: str, is_root: bool, output: Any) -> None:
         role = "output" if is_root else "activation"
-        for suffix, t in _tensor_leaves(output):
+        for suffix, t in named_leaves(output):
             base = path + suffix
             count = rec._activation_counts.get((base, rec._iteration), 0)
             rec._activation_counts[(base, rec._iteration)] = count + 1
@@ -348,17 +349,6 @@ class _Failed:
 
 
 _FAILED = _Failed()
-
-
-def _tensor_leaves(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
-    """(suffix, tensor) for every tensor in a module output (tensor, tuple/list, dict)."""
-    if isinstance(obj, torch.Tensor):
-        return [(prefix, obj)]
-    if isinstance(obj, dict):
-        return [leaf for k, v in obj.items() for leaf in _tensor_leaves(v, f"{prefix}.{k}")]
-    if isinstance(obj, (tuple, list)):
-        return [leaf for i, v in enumerate(obj) for leaf in _tensor_leaves(v, f"{prefix}.{i}")]
-    return []
 
 
 def _default_rank() -> int:
