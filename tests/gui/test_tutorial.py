@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 import deepscope
 from deepscope.demo import DemoConfig, run_demo
@@ -78,9 +79,16 @@ def traces(fig: dict) -> dict[str, list[float]]:
 
 
 def select_node(page: Page, node: str) -> None:
-    """Select a node as a click in the graph does (through the hidden node list)."""
+    """Select a node as a click in the graph does (through the hidden node list).
+
+    A click that lands while the previous selector's update is still in flight can be
+    superseded by it, so the click is repeated once if the table did not follow."""
     page.dispatch_event(f'.node-btn[data-node="{node}"]', "click")
-    wait_table(page, tensor=node)
+    try:
+        wait_table(page, tensor=node)
+    except PlaywrightTimeout:
+        page.dispatch_event(f'.node-btn[data-node="{node}"]', "click")
+        wait_table(page, tensor=node)
 
 
 def directions(page: Page) -> list[str]:
