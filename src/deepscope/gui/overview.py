@@ -130,6 +130,12 @@ def _empty_column(title: str, text: str) -> tuple:
     return title, html.P(text, className="hint"), message_figure(text, height=220)
 
 
+def _list_table(headers: list[str], rows: list[list[Any]]) -> html.Table:
+    """A plain table of cells (the Notes and Anomalies tabs)."""
+    return html.Table([html.Thead(html.Tr([html.Th(h) for h in headers])),
+                       html.Tbody([html.Tr(cells) for cells in rows])], className="list-table")
+
+
 def _register_notes(app: dash.Dash, project: ProjectData) -> None:
     @app.callback(Output("notes", "children"), Input("tabs", "value"), Input("run", "value"),
                   Input("version-slow", "data"))
@@ -141,12 +147,10 @@ def _register_notes(app: dash.Dash, project: ProjectData) -> None:
         notes = project.run(run).cached("notes", lambda r: r.notes())
         if notes.empty:
             return html.P(f"No notes in {run} (scope.note(text) adds one).", className="hint")
-        rows = [html.Tr([html.Td(_when(t)), html.Td("" if s is None or s != s else int(s)),
-                         html.Td(text, className="note-text")])
-                for t, s, text in notes[["wall_time", "step", "text"]].itertuples(index=False)]
-        return html.Table([html.Thead(html.Tr([html.Th("time"), html.Th("step"),
-                                               html.Th("note")])), html.Tbody(rows)],
-                          className="list-table")
+        return _list_table(["time", "step", "note"], [
+            [html.Td(_when(t)), html.Td("" if s is None or s != s else int(s)),
+             html.Td(text, className="note-text")]
+            for t, s, text in notes[["wall_time", "step", "text"]].itertuples(index=False)])
 
     @app.callback(Output("anomalies", "children"), Input("tabs", "value"),
                   Input("run", "value"), Input("version-slow", "data"))
@@ -159,9 +163,9 @@ def _register_notes(app: dash.Dash, project: ProjectData) -> None:
         if found.empty:
             return html.P(f"No anomalies recorded in {run}.", className="hint")
         cols = ["step", "tensor", "detector", "value", "threshold", "message"]
-        return html.Table([html.Thead(html.Tr([html.Th(c) for c in cols])), html.Tbody([
-            html.Tr([html.Td(panels.fmt(v) if isinstance(v, float) else v) for v in row])
-            for row in found[cols].itertuples(index=False)])], className="list-table")
+        return _list_table(cols, [
+            [html.Td(panels.fmt(v) if isinstance(v, float) else v) for v in row]
+            for row in found[cols].itertuples(index=False)])
 
 
 def _when(wall_time: float) -> str:
