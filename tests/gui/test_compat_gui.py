@@ -7,7 +7,8 @@ import pytest
 from tests.test_compat_comgra import run_seed_example
 
 from .conftest import start_server
-from .test_browser import wait_graph, wait_table
+from .test_browser import wait_graph
+from .test_tutorial import select_node
 
 pytestmark = pytest.mark.browser
 
@@ -22,10 +23,8 @@ def test_comgra_seed_run_opens_and_a_node_click_selects_it(browser, tmp_path) ->
         wait_graph(page)
         nodes = page.eval_on_selector_all(".node-btn", "bs => bs.map(b => b.dataset.node)")
         assert {"inputs", "outputs", "loss", "main_model.layer0"} <= set(nodes)
-        page.dispatch_event('.node-btn[data-node="outputs"]', "click")
-        wait_table(page, tensor="outputs")
-        page.dispatch_event('.node-btn[data-node="inputs"]', "click")
-        wait_table(page, tensor="inputs")
+        select_node(page, "outputs")
+        select_node(page, "inputs")
     finally:
         context.close()
         server.shutdown()
