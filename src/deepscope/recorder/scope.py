@@ -21,6 +21,7 @@ from ..hookstate import hooks_paused
 from ..naming import named_leaves
 from ..store.layout import check_run_name, rank_file, rank_files
 from ..store.writer import StoreWriter
+from .buffers import BufferPool
 from .schedule import Schedule, as_schedule, every
 from .stats import DEFAULT_MAX_NEURONS
 from .step import StepRecorder
@@ -105,6 +106,7 @@ class Scope:
         self._param_nodes: dict[str, tuple[str, str]] = {}
         self._module_hooks: list[Any] = []
         self._graph_cache: dict = {}
+        self.buffers = BufferPool()
         self._current: StepRecorder | None = None
         self._last_step: int | None = None
         self._reported: set[str] = set()

@@ -7,11 +7,19 @@ them and the writer copies them to the host once per step.
 
 from __future__ import annotations
 
+import functools
+import json
+import math
+import threading
+from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
+from ..store import arrays
 from ..store.schema import STAT_COLUMNS
+from ..store.writer import StepSummary
 
 DEFAULT_MAX_NEURONS = 4096   # per-neuron views keep the first this-many neurons
 DEFAULT_MAX_ITEMS = 4096     # per-sample statistics keep the first this-many batch items
@@ -89,21 +97,16 @@ def _masked_stats(x64: torch.Tensor) -> dict[str, torch.Tensor]:
             "neginf": (x64 == float("-inf")).sum()}
 
 
-def batched_stats(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """`tensor_stats` of many (small) tensors on one device at once: (K, len(STAT_COLUMNS)).
+def _segment_stats(data: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """`tensor_stats` of consecutive segments of a 1-D float64 tensor: (S, len(STAT_COLUMNS)).
 
-    sv_max is NaN. Same definitions as `tensor_stats`, computed with segmented reductions over
-    the concatenation, so the cost is a few passes over all elements instead of ~20 ops per
-    tensor.
+    sv_max is NaN. Segmented reductions: a few passes over all elements instead of ~20 ops
+    per segment.
     """
-    flats = [t.detach().reshape(-1).to(torch.float64) for t in tensors]
-    device = flats[0].device
-    numel = torch.tensor([f.numel() for f in flats], dtype=torch.float64, device=device)
-    lengths = numel.to(torch.int64)
-    data = torch.cat(flats)
     finite = torch.isfinite(data)
     z = torch.where(finite, data, 0.0)
     inf = float("inf")
+    numel = lengths.to(torch.float64)
 
     def seg(values: torch.Tensor, how: str = "sum") -> torch.Tensor:
         # `initial` takes part in every segment's reduction: the neutral element of each
@@ -127,6 +130,73 @@ def batched_stats(tensors: list[torch.Tensor]) -> torch.Tensor:
         "neginf": seg((data == -inf).to(torch.float64)), "sv_max": nan,
     }
     return torch.stack([values[c] for c in STAT_COLUMNS], dim=1)
+
+
+def batched_stats(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`tensor_stats` of many (small) tensors on one device at once: (K, len(STAT_COLUMNS))."""
+    flats = [t.detach().reshape(-1).to(torch.float64) for t in tensors]
+    lengths = torch.tensor([f.numel() for f in flats], device=flats[0].device)
+    return _segment_stats(torch.cat(flats), lengths)
+
+
+_COL = {c: i for i, c in enumerate(STAT_COLUMNS)}
+
+
+def small_summaries(tensors: list[tuple[torch.Tensor, int | None]], max_samples: int,
+                    max_neurons: int = DEFAULT_MAX_NEURONS, max_items: int = DEFAULT_MAX_ITEMS,
+                    max_values: int = DEFAULT_MAX_VALUES
+                    ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """`tensor_stats` and `array_views` of many small tensors on one device, all at once.
+
+    Every neuron and batch item is a segment of one concatenation, so the cost is a few
+    segmented reductions instead of ~30 ops per tensor. (tensor, batch_dim) pairs in,
+    (stats row, views) pairs out, in order.
+    """
+    pieces: list[torch.Tensor] = []
+    lengths: list[int] = []
+    layout: list[list[tuple[str, int]]] = []
+    for x, batch_dim in tensors:
+        x64 = x.detach().to(torch.float64)
+        pieces.append(x64.reshape(-1))
+        lengths.append(x64.numel())
+        groups: list[tuple[str, torch.Tensor]] = []
+        if x64.dim() and x64.numel():  # a 0-d or empty tensor has no array views
+            if batch_dim is None:
+                groups = [("neuron", x64.reshape(x64.shape[0], -1)[:max_neurons])]
+            else:
+                m = x64.movedim(batch_dim, 0)
+                m = m.reshape(m.shape[0], -1)
+                groups = [("neuron", m[:, :max_neurons].t()), ("sample", m[:max_items])]
+        for _, rows in groups:
+            pieces.append(rows.reshape(-1))
+            lengths.extend([rows.shape[1]] * rows.shape[0])
+        layout.append([(prefix, rows.shape[0]) for prefix, rows in groups])
+    device = pieces[0].device
+    table = _segment_stats(torch.cat(pieces), torch.tensor(lengths, device=device))
+    per_view = {stat: table[:, _COL[stat]].float() for stat in ("mean", "std", "abs_max")}
+    out = []
+    at = 0
+    for (x, batch_dim), groups in zip(tensors, layout):
+        row, at = table[at], at + 1
+        views: dict[str, torch.Tensor] = {}
+        for prefix, count in groups:
+            for stat, column in per_view.items():
+                views[f"{prefix}_{stat}"] = column[at:at + count]
+            at += count
+        if batch_dim is not None and groups and max_samples > 0:
+            views["samples"] = _samples(x.detach(), batch_dim, max_samples, max_values)
+        out.append((row, views))
+    return out
+
+
+def _samples(x: torch.Tensor, batch_dim: int, max_samples: int,
+             max_values: int) -> torch.Tensor:
+    """Full values of the first `max_samples` batch items, float32, each cut to `max_values`
+    elements (flattened) if larger; a new tensor."""
+    xb = x.movedim(batch_dim, 0)[:max_samples]
+    if xb[0].numel() > max_values:
+        xb = xb.reshape(xb.shape[0], -1)[:, :max_values]
+    return xb.to(torch.float32, copy=True)
 
 
 def _rows(rows: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
@@ -178,11 +248,116 @@ def array_views(x: torch.Tensor, batch_dim: int | None, max_samples: int,
     for stat, v in _rows(flat[:max_items], 1).items():
         views[f"sample_{stat}"] = v
     if max_samples > 0:
-        keep = xb[:max_samples]
-        if flat.shape[1] > max_values:
-            keep = flat[:max_samples, :max_values]
-        views["samples"] = keep.contiguous()
+        views["samples"] = _samples(x, batch_dim, max_samples, max_values)
     return views
+
+
+def _scratch(shape: tuple[int, ...], dtype: torch.dtype, slot: str) -> torch.Tensor:
+    """A reused CPU buffer of this thread: a fresh large allocation page-faults on every step
+    (~0.4 ms per 800 kB), a reused one does not. One buffer per `slot`, grown as needed."""
+    numel = math.prod(shape)
+    buf = getattr(_local, slot, None)
+    if buf is None or buf.dtype != dtype or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype)
+        setattr(_local, slot, buf)
+    return buf[:numel].view(shape)
+
+
+_local = threading.local()
+
+
+def _centred_square_sum(m: torch.Tensor, total: torch.Tensor, dim: int) -> torch.Tensor:
+    """Σ (x − mean)² of 3-D `m` along `dim`, given the sums `total` along it.
+
+    Centred on the mean first: no E[x²] − E[x]² cancellation. Sums accumulate in m's dtype:
+    float64 accumulation costs 3–6× on the CPU, and float32 sums of a few thousand values
+    keep ~7 significant digits.
+    """
+    centred = torch.sub(m, (total / m.shape[dim]).unsqueeze(dim),
+                        out=_scratch(tuple(m.shape), m.dtype, "centred"))
+    return centred.square_().sum(dim)
+
+
+def fast_eligible(x: torch.Tensor, batch_dim: int | None) -> bool:
+    """Whether `fast_summaries` can take `x`: a float32/64 CPU tensor with neurons."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+            and x.numel() > 0 and x.dim() >= (1 if batch_dim is not None else 2))
+
+
+def fast_summaries(tensors: list[torch.Tensor], batch_dim: int | None, max_samples: int,
+                   max_neurons: int = DEFAULT_MAX_NEURONS, max_items: int = DEFAULT_MAX_ITEMS,
+                   max_values: int = DEFAULT_MAX_VALUES
+                   ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]] | None:
+    """`tensor_stats` and `array_views` of same-shaped finite `fast_eligible` tensors at once.
+
+    The tensors are stacked, so the number of ops does not grow with their number; about
+    a third of the passes over the data of the general path and no float64 copy: the totals
+    come from per-neuron moments (law of total variance), combined on the host in NumPy.
+    The tensors must be private copies: they may be overwritten. None when the general path
+    is needed (a non-finite value).
+    """
+    if batch_dim is None:   # neuron = index along dim 0
+        ms = [x.reshape(x.shape[0], -1) for x in tensors]
+        nd = 2
+    else:                   # neuron = everything but the batch dimension
+        ms = [x.movedim(batch_dim, 0) for x in tensors]
+        ms = [x.reshape(x.shape[0], -1) for x in ms]
+        nd = 1
+    if len(ms) == 1:
+        m = ms[0].unsqueeze(0)  # (G, rows, columns)
+    else:
+        m = torch.stack(ms, out=_scratch((len(ms), *ms[0].shape), ms[0].dtype, "stack"))
+    g, per, n = m.shape[0], m.shape[nd], m.shape[1] * m.shape[2]
+    n_sum = m.sum(nd)
+    if not math.isfinite(float(n_sum.sum())):  # a NaN or Inf anywhere reaches the total
+        return None
+    n_sq = _centred_square_sum(m, n_sum, nd)
+    host: dict[str, np.ndarray] = {}
+    slab = None
+    if batch_dim is not None:
+        items = m[:, :max_items]
+        s_sum = items.sum(2)
+        host["s_sq"] = _centred_square_sum(items, s_sum, 2).numpy()
+        host["s_sum"] = s_sum.numpy()
+        if max_samples > 0:  # before `m` is overwritten below
+            slab = m[:, :max_samples, :max_values].to(torch.float32, copy=True)
+    host["n_min"], host["n_max"] = m.amin(nd).numpy(), m.amax(nd).numpy()
+    absm = m.abs_()
+    host["abs_sum"] = absm.sum((1, 2)).numpy()
+    if batch_dim is not None:
+        host["s_abs_max"] = absm[:, :max_items].amax(2).numpy()
+    # a float32 count of ones is exact below 2**24
+    host["nonzero"] = absm.sign_().sum((1, 2), dtype=torch.float64 if n >= 2**24 else None).numpy()
+    h = {k: v.astype(np.float64) for k, v in host.items()}
+    n_sum64, n_var = n_sum.numpy().astype(np.float64), n_sq.numpy().astype(np.float64) / per
+    n_mean = n_sum64 / per
+    mean = n_sum64.sum(1) / n
+    within = n_var.sum(1)
+    mn, mx = h["n_min"].min(1), h["n_max"].max(1)
+    columns = {"numel": np.full(g, float(n)), "mean": mean,
+               "std": np.sqrt(np.maximum((within + ((n_mean - mean[:, None]) ** 2).sum(1))
+                                         * per / n, 0.0)),
+               "abs_mean": h["abs_sum"] / n, "min": mn, "max": mx,
+               "abs_max": np.maximum(-mn, mx),
+               "norm": np.sqrt((within + (n_mean ** 2).sum(1)) * per),
+               "zero_frac": (n - h["nonzero"]) / n, "nan": np.zeros(g), "posinf": np.zeros(g),
+               "neginf": np.zeros(g), "sv_max": np.full(g, np.nan)}
+    table = torch.from_numpy(np.stack([columns[c] for c in STAT_COLUMNS], axis=1))
+    views = {"neuron_mean": n_mean[:, :max_neurons], "neuron_std": np.sqrt(n_var[:, :max_neurons]),
+             "neuron_abs_max": np.maximum(-h["n_min"], h["n_max"])[:, :max_neurons]}
+    if batch_dim is not None:
+        items_n = m.shape[2]
+        views.update(sample_mean=h["s_sum"] / items_n, sample_std=np.sqrt(h["s_sq"] / items_n),
+                     sample_abs_max=h["s_abs_max"])
+    views32 = {k: torch.from_numpy(v.astype(np.float32)) for k, v in views.items()}
+    out = []
+    for i, x in enumerate(tensors):
+        vs = {k: v[i] for k, v in views32.items()}
+        if slab is not None:
+            rest = x.movedim(batch_dim, 0).shape[1:]
+            vs["samples"] = slab[i] if m.shape[2] > max_values else slab[i].view(-1, *rest)
+        out.append((table[i], vs))
+    return out
 
 
 class Capture(NamedTuple):
@@ -196,51 +371,104 @@ class Capture(NamedTuple):
     is_parameter: bool
 
 
-Summary = tuple[list[tuple[str, str, int]], torch.Tensor,
-                list[tuple[str, str, str, int, torch.Tensor]]]
-
-
 def summarise_captures(captures: list[Capture], max_samples: int, max_neurons: int,
-                       singular_values: bool, exact_views: bool) -> Summary:
+                       singular_values: bool, exact_views: bool,
+                       release: Callable[[list[torch.Tensor]], None] | None = None
+                       ) -> StepSummary:
     """Statistics and array views of a step's captures, copied to the host in one transfer each.
 
-    Returns (keys, stats (R, len(STAT_COLUMNS)) float64 on the host, arrays as
-    (name, direction, view, iteration, host tensor)). Aggregated views (neuron_*, sample_*)
+    Aggregated views (neuron_*, sample_*)
     are bfloat16 (3 significant digits, float32 range: enough to draw, half the bytes) unless
-    `exact_views`; full sample values stay float32; the statistics are exact float64.
+    `exact_views`; full sample values stay float32; the statistics are float64 (of a float32
+    tensor: accurate to ~1e-7 of its scale, as its own values are). Captures that
+    share a tensor (one tensor under two names) are summarised and stored once. The tensors
+    are overwritten, then handed to `release`; nothing returned shares their memory.
     """
-    keys = [(c.name, c.direction, c.iteration) for c in captures]
-    rows: list[torch.Tensor | None] = [None] * len(captures)
-    small: dict[torch.device, list[int]] = {}
+    all_keys = [(c.name, c.direction, c.iteration) for c in captures]
+    first: dict[int, int] = {}  # id(tensor) -> index of its first capture
     for i, c in enumerate(captures):
-        sv = singular_values and c.is_parameter and c.tensor.dim() == 2
-        if c.tensor.numel() <= BATCHED_NUMEL and not sv:
-            small.setdefault(c.tensor.device, []).append(i)
-        else:
-            rows[i] = tensor_stats(c.tensor, sv)
-    for device, idx in small.items():
-        for i, row in zip(idx, batched_stats([captures[i].tensor for i in idx])):
-            rows[i] = row.to(device)
-    pending = []
+        first.setdefault(id(c.tensor), i)
+    summary = _summarise_unique([captures[i] for i in first.values()], max_samples,
+                                max_neurons, singular_values, exact_views)
+    if release is not None:
+        release([captures[i].tensor for i in first.values()])
+    if len(first) == len(captures):
+        return summary
+    row_of = {id(captures[i].tensor): r for r, i in enumerate(first.values())}
+    by_key = {}
+    for entry in summary.arrays:
+        by_key.setdefault(entry[:2] + entry[3:4], []).append(entry)
+    entries = []
     for c in captures:
-        for view, arr in array_views(c.tensor, c.batch_dim, max_samples, max_neurons).items():
-            pending.append((c.name, c.direction, view, c.iteration, arr))
-    host_stats = (torch.stack(rows).cpu() if rows  # type: ignore[arg-type]
-                  else torch.zeros(0, len(STAT_COLUMNS)))
-    arrays = []
-    # One transfer for full sample values (float32) and one for aggregated views (bfloat16
-    # unless exact), converted in one go.
+        source = captures[first[id(c.tensor)]]
+        for entry in by_key.get((source.name, source.direction, source.iteration), []):
+            entries.append((c.name, c.direction, entry[2], c.iteration, *entry[4:]))
+    rows = [row_of[id(c.tensor)] for c in captures]
+    return StepSummary(all_keys, summary.stats[rows], entries, summary.blob)
+
+
+def _summarise_unique(captures: list[Capture], max_samples: int, max_neurons: int,
+                      singular_values: bool, exact_views: bool) -> StepSummary:
+    """`summarise_captures` of captures that share no tensor."""
+    keys = [(c.name, c.direction, c.iteration) for c in captures]
+    done: list[tuple[torch.Tensor, dict[str, torch.Tensor]] | None] = [None] * len(captures)
+    small: dict[torch.device, list[int]] = {}
+    same: dict[tuple, list[int]] = {}
+    for i, c in enumerate(captures):
+        x = c.tensor
+        if singular_values and c.is_parameter and x.dim() == 2:
+            done[i] = (tensor_stats(x, True), array_views(x, None, max_samples, max_neurons))
+        elif x.numel() <= BATCHED_NUMEL:
+            small.setdefault(x.device, []).append(i)
+        elif fast_eligible(x, c.batch_dim):
+            same.setdefault((tuple(x.shape), x.dtype, c.batch_dim), []).append(i)
+    for idx in small.values():
+        pairs = [(captures[i].tensor, captures[i].batch_dim) for i in idx]
+        for i, result in zip(idx, small_summaries(pairs, max_samples, max_neurons)):
+            done[i] = result
+    for (_, _, batch_dim), idx in same.items():
+        results = fast_summaries([captures[i].tensor for i in idx], batch_dim, max_samples,
+                                 max_neurons)
+        for i, result in zip(idx, results or []):
+            done[i] = result
+    for i, c in enumerate(captures):
+        if done[i] is None:  # the general path: another device or dtype, non-finite values
+            done[i] = (tensor_stats(c.tensor),
+                       array_views(c.tensor, c.batch_dim, max_samples, max_neurons))
+    host_stats = torch.empty(len(captures), len(STAT_COLUMNS), dtype=torch.float64)
+    for idx in _by_device([row for row, _ in done]):  # type: ignore[misc]
+        host_stats[idx] = torch.stack([done[i][0] for i in idx]).cpu()  # type: ignore[index]
+    pending = [(c.name, c.direction, view, c.iteration, arr)
+               for c, (_, vs) in zip(captures, done) for view, arr in vs.items()]
+    entries, blob, offset = [], [], 0
+    # One transfer per device for full sample values (float32) and one for aggregated views
+    # (bfloat16 unless exact), converted in one go.
     for exact in (True, False):
         part = [p for p in pending if (p[2] == "samples") == exact]
-        if not part:
-            continue
-        flat = torch.cat([a.reshape(-1) for *_, a in part])
-        if not (exact or exact_views):
-            flat = flat.to(torch.bfloat16)
-        flat = flat.cpu()
-        offset = 0
-        for name, direction, view, it, arr in part:
-            arrays.append((name, direction, view, it,
-                           flat[offset:offset + arr.numel()].reshape(arr.shape)))
-            offset += arr.numel()
-    return keys, host_stats, arrays
+        for idx in _by_device([p[4] for p in part]):
+            flat = torch.cat([part[i][4].reshape(-1) for i in idx])
+            if not (exact or exact_views):
+                flat = flat.to(torch.bfloat16)
+            dtype, _, data = arrays.encode(flat)
+            itemsize = flat.element_size()
+            for i in idx:
+                name, direction, view, it, arr = part[i]
+                nbytes = arr.numel() * itemsize
+                entries.append((name, direction, view, it, dtype, _shape_text(arr.shape),
+                                offset, nbytes))
+                offset += nbytes
+            blob.append(data)
+    return StepSummary(keys, host_stats.numpy(), entries, b"".join(blob))
+
+
+@functools.lru_cache(maxsize=1024)
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return json.dumps(list(shape))
+
+
+def _by_device(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of `tensors` grouped by device, in order."""
+    groups: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.device, []).append(i)
+    return list(groups.values())

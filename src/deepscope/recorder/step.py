@@ -70,6 +70,7 @@ class StepRecorder:
         self._manual: list[tuple[str, str, int]] = []
         self._infos: dict[str, TensorInfo] = {}
         self._captures: list[Capture] = []
+        self._copies: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._grads: dict[tuple[str, int], torch.Tensor] = {}
         self._activation_counts: dict[tuple[str, int], int] = {}
         self._attachments: dict | None = None
@@ -236,8 +237,15 @@ class StepRecorder:
                        batch_dim: int | None) -> None:
         # A copy, because the user may change the tensor in place later in the step (inplace
         # ReLU, optimizer.step, zero_grad); statistics are computed off the training thread.
-        self._captures.append(Capture(name, direction, iteration, tensor.detach().clone(),
-                                      batch_dim, self._infos[name].role == "parameter"))
+        # The same tensor under a second name (a container module's output is its last
+        # child's) shares the first one's copy.
+        key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device,
+               tensor._version, direction, batch_dim)
+        if key not in self._copies:  # holding `tensor` keeps its memory ours during the step
+            self._copies[key] = (tensor, self.scope.buffers.copy(tensor))
+        copy = self._copies[key][1]
+        self._captures.append(Capture(name, direction, iteration, copy, batch_dim,
+                                      self._infos[name].role == "parameter"))
 
     def _start(self) -> None:
         """Called on entry of a recorded step: parameter values and gradient hooks."""
@@ -295,9 +303,10 @@ class StepRecorder:
         self._snapshot_grads("grad")
         cached = self._graph()
         scope = self.scope
+        self._copies.clear()  # the captures hold the copies; let the user's tensors go
         summarise = functools.partial(summarise_captures, self._captures, scope.max_samples,
                                       scope.max_neurons, scope.singular_values,
-                                      scope.exact_views)
+                                      scope.exact_views, scope.buffers.release)
         return StepPayload(
             step=self.step, kind=self.kind, wall_time=self._started,
             iterations=self._iteration + 1, tensors=list(self._infos.values()),

@@ -43,13 +43,26 @@ class TensorInfo:
 
 
 @dataclass
+class StepSummary:
+    """A recorded step's statistics and arrays, ready to insert.
+
+    keys: (name, direction, iteration) of each row of `stats`, a (R, len(STAT_COLUMNS)) float64
+    array (NaN = missing). arrays: (name, direction, view, iteration, dtype, JSON shape, offset,
+    nbytes) of each array inside `blob`, the step's packed little-endian bytes.
+    """
+
+    keys: list[tuple[str, str, int]]
+    stats: np.ndarray
+    arrays: list[tuple[str, str, str, int, str, str, int, int]]
+    blob: bytes
+
+
+@dataclass
 class StepPayload:
     """Everything one recorded step writes, committed as one transaction.
 
-    summarise: called on the writer thread; returns (keys, stats, arrays): keys are
-    (name, direction, iteration), stats a (R, len(STAT_COLUMNS)) tensor with one row per key,
-    arrays (name, direction, view, iteration, tensor). Computing them here keeps the work off
-    the training thread.
+    summarise: called on the writer thread, returns the step's `StepSummary`: computing it
+    there keeps the work off the training thread.
     """
 
     step: int
@@ -57,8 +70,7 @@ class StepPayload:
     wall_time: float
     iterations: int
     tensors: list[TensorInfo] = field(default_factory=list)
-    summarise: Callable[[], tuple[list[tuple[str, str, int]], torch.Tensor,
-                                  list[tuple[str, str, str, int, torch.Tensor]]]] | None = None
+    summarise: Callable[[], StepSummary] | None = None
     graphs: dict[str, str] = field(default_factory=dict)
     iteration_graphs: list[tuple[int, str]] = field(default_factory=list)
     quantities: list[QuantityValue] = field(default_factory=list)
@@ -222,7 +234,7 @@ class StoreWriter:
         con.execute("BEGIN")
         try:
             if isinstance(item, StepPayload):
-                self._write_step(item, *summary)
+                self._write_step(item, summary)
             elif isinstance(item, _Kpis):
                 con.executemany("INSERT OR REPLACE INTO kpis VALUES (?, ?, ?, ?)",
                                 [(n, s, k, _to_float(v)) for n, s, k, v in item.rows])
@@ -241,10 +253,10 @@ class StoreWriter:
         if isinstance(item, StepPayload):
             self.committed_steps += 1
 
-    def _summarise(self, p: StepPayload) -> tuple | None:
+    def _summarise(self, p: StepPayload) -> StepSummary | None:
         """Run the step's summary; a failure there loses this step only, not the writer."""
         if p.summarise is None:
-            return [], None, []
+            return StepSummary([], np.zeros((0, len(STAT_COLUMNS))), [], b"")
         try:
             return p.summarise()
         except Exception as exc:
@@ -266,29 +278,24 @@ class StoreWriter:
             tid = self._tensor_ids[info.name] = int(cur.lastrowid)
         return tid
 
-    def _write_step(self, p: StepPayload, keys: list, stats: torch.Tensor | None,
-                    step_arrays: list) -> None:
+    def _write_step(self, p: StepPayload, summary: StepSummary) -> None:
         con = self._con
         ids = {t.name: self._tensor_id(t) for t in p.tensors}
-        ids.update({n: self._tensor_ids[n] for n, _, _ in keys if n not in ids})
-        if keys:
-            values = stats.detach().to("cpu", torch.float64).numpy()
-            rows = []
-            for (name, direction, iteration), row in zip(keys, values):
-                rows.append((ids[name], direction, p.step, iteration,
-                             *[None if np.isnan(v) else float(v) for v in row]))
+        ids.update({n: self._tensor_ids[n] for n, _, _ in summary.keys if n not in ids})
+        if summary.keys:
             marks = ", ".join("?" * (4 + len(STAT_COLUMNS)))
-            con.executemany(f"INSERT OR REPLACE INTO records VALUES ({marks})", rows)
-        blob, arr_rows = bytearray(), []
-        for name, direction, view, iteration, tensor in step_arrays:
-            dtype, shape, data = arrays.encode(tensor)
-            arr_rows.append((ids.get(name) or self._tensor_ids[name], direction, view, p.step,
-                             iteration, dtype, shape, len(blob), len(data)))
-            blob += data
-        if arr_rows:
-            con.execute("INSERT OR REPLACE INTO step_blobs VALUES (?, ?)", (p.step, bytes(blob)))
+            con.executemany(
+                f"INSERT OR REPLACE INTO records VALUES ({marks})",
+                [(ids[name], direction, p.step, iteration, *[v if v == v else None for v in row])
+                 for (name, direction, iteration), row in zip(summary.keys,
+                                                              summary.stats.tolist())])
+        if summary.arrays:
+            con.execute("INSERT OR REPLACE INTO step_blobs VALUES (?, ?)", (p.step, summary.blob))
             con.executemany("INSERT OR REPLACE INTO arrays VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                            arr_rows)
+                            [(ids.get(name) or self._tensor_ids[name], direction, view, p.step,
+                              iteration, dtype, shape, offset, nbytes)
+                             for name, direction, view, iteration, dtype, shape, offset, nbytes
+                             in summary.arrays])
         con.executemany("INSERT OR IGNORE INTO graphs VALUES (?, ?)", list(p.graphs.items()))
         con.executemany("INSERT OR REPLACE INTO iterations VALUES (?, ?, ?)",
                         [(p.step, i, h) for i, h in p.iteration_graphs])
