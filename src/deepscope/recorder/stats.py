@@ -404,7 +404,7 @@ def summarise_captures(captures: list[Capture], max_samples: int, max_neurons: i
         for entry in by_key.get((source.name, source.direction, source.iteration), []):
             entries.append((c.name, c.direction, entry[2], c.iteration, *entry[4:]))
     rows = [row_of[id(c.tensor)] for c in captures]
-    return StepSummary(all_keys, summary.stats[rows], entries, summary.blob)
+    return StepSummary(all_keys, summary.stats[rows], entries, summary.parts)
 
 
 def _summarise_unique(captures: list[Capture], max_samples: int, max_neurons: int,
@@ -440,9 +440,9 @@ def _summarise_unique(captures: list[Capture], max_samples: int, max_neurons: in
         host_stats[idx] = torch.stack([done[i][0] for i in idx]).cpu()  # type: ignore[index]
     pending = [(c.name, c.direction, view, c.iteration, arr)
                for c, (_, vs) in zip(captures, done) for view, arr in vs.items()]
-    entries, blob, offset = [], [], 0
-    # One transfer per device for full sample values (float32) and one for aggregated views
-    # (bfloat16 unless exact), converted in one go.
+    entries, parts = [], []
+    # One part per kind of array — full sample values (float32), aggregated views (bfloat16
+    # unless exact) — and device: one transfer each, converted in one go.
     for exact in (True, False):
         part = [p for p in pending if (p[2] == "samples") == exact]
         for idx in _by_device([p[4] for p in part]):
@@ -450,15 +450,15 @@ def _summarise_unique(captures: list[Capture], max_samples: int, max_neurons: in
             if not (exact or exact_views):
                 flat = flat.to(torch.bfloat16)
             dtype, _, data = arrays.encode(flat)
-            itemsize = flat.element_size()
+            itemsize, offset = flat.element_size(), 0
             for i in idx:
                 name, direction, view, it, arr = part[i]
                 nbytes = arr.numel() * itemsize
                 entries.append((name, direction, view, it, dtype, _shape_text(arr.shape),
-                                offset, nbytes))
+                                len(parts), offset, nbytes))
                 offset += nbytes
-            blob.append(data)
-    return StepSummary(keys, host_stats.numpy(), entries, b"".join(blob))
+            parts.append(data)
+    return StepSummary(keys, host_stats.numpy(), entries, parts)
 
 
 @functools.lru_cache(maxsize=1024)

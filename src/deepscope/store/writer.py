@@ -47,14 +47,15 @@ class StepSummary:
     """A recorded step's statistics and arrays, ready to insert.
 
     keys: (name, direction, iteration) of each row of `stats`, a (R, len(STAT_COLUMNS)) float64
-    array (NaN = missing). arrays: (name, direction, view, iteration, dtype, JSON shape, offset,
-    nbytes) of each array inside `blob`, the step's packed little-endian bytes.
+    array (NaN = missing). parts: the step's arrays packed as little-endian bytes, one part per
+    dtype; arrays: (name, direction, view, iteration, dtype, JSON shape, part, offset, nbytes)
+    of each array, `offset` and `nbytes` in bytes within `parts[part]`.
     """
 
     keys: list[tuple[str, str, int]]
     stats: np.ndarray
-    arrays: list[tuple[str, str, str, int, str, str, int, int]]
-    blob: bytes
+    arrays: list[tuple[str, str, str, int, str, str, int, int, int]]
+    parts: list[bytes]
 
 
 @dataclass
@@ -256,7 +257,7 @@ class StoreWriter:
     def _summarise(self, p: StepPayload) -> StepSummary | None:
         """Run the step's summary; a failure there loses this step only, not the writer."""
         if p.summarise is None:
-            return StepSummary([], np.zeros((0, len(STAT_COLUMNS))), [], b"")
+            return StepSummary([], np.zeros((0, len(STAT_COLUMNS))), [], [])
         try:
             return p.summarise()
         except Exception as exc:
@@ -290,12 +291,16 @@ class StoreWriter:
                  for (name, direction, iteration), row in zip(summary.keys,
                                                               summary.stats.tolist())])
         if summary.arrays:
-            con.execute("INSERT OR REPLACE INTO step_blobs VALUES (?, ?)", (p.step, summary.blob))
+            starts = [0]
+            for data in summary.parts:
+                starts.append(starts[-1] + len(data))
+            con.execute("INSERT OR REPLACE INTO step_blobs VALUES (?, ?)",
+                        (p.step, b"".join(summary.parts)))
             con.executemany("INSERT OR REPLACE INTO arrays VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                             [(ids.get(name) or self._tensor_ids[name], direction, view, p.step,
-                              iteration, dtype, shape, offset, nbytes)
-                             for name, direction, view, iteration, dtype, shape, offset, nbytes
-                             in summary.arrays])
+                              iteration, dtype, shape, starts[part] + offset, nbytes)
+                             for name, direction, view, iteration, dtype, shape, part, offset,
+                             nbytes in summary.arrays])
         con.executemany("INSERT OR IGNORE INTO graphs VALUES (?, ?)", list(p.graphs.items()))
         con.executemany("INSERT OR REPLACE INTO iterations VALUES (?, ?, ?)",
                         [(p.step, i, h) for i, h in p.iteration_graphs])
