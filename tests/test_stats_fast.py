@@ -7,8 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from deepscope.recorder.stats import (Capture, array_views, fast_summaries, small_summaries,
-                                      summarise_captures, tensor_stats)
+from deepscope.recorder.stats import (
+    Capture,
+    array_views,
+    fast_summaries,
+    small_summaries,
+    summarise_captures,
+    tensor_stats,
+)
 from deepscope.store import arrays
 from deepscope.store.schema import STAT_COLUMNS
 

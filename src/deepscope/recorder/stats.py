@@ -108,7 +108,15 @@ def _segment_stats(data: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     inf = float("inf")
     numel = lengths.to(torch.float64)
 
+    # NumPy's reduceat is ~5x faster than torch.segment_reduce on the CPU; it needs every
+    # segment non-empty.
+    host = data.device.type == "cpu" and bool((lengths > 0).all())
+    starts = (torch.cumsum(lengths, 0) - lengths).numpy() if host else None
+
     def seg(values: torch.Tensor, how: str = "sum") -> torch.Tensor:
+        if host:
+            ufunc = {"sum": np.add, "min": np.minimum, "max": np.maximum}[how]
+            return torch.from_numpy(ufunc.reduceat(values.numpy(), starts))
         # `initial` takes part in every segment's reduction: the neutral element of each
         start = {"sum": 0.0, "min": inf, "max": -inf}[how]
         return torch.segment_reduce(values, how, lengths=lengths, unsafe=True, initial=start)
@@ -153,12 +161,12 @@ def small_summaries(tensors: list[tuple[torch.Tensor, int | None]], max_samples:
     (stats row, views) pairs out, in order.
     """
     pieces: list[torch.Tensor] = []
-    lengths: list[int] = []
+    lengths: list[np.ndarray] = []
     layout: list[list[tuple[str, int]]] = []
     for x, batch_dim in tensors:
         x64 = x.detach().to(torch.float64)
         pieces.append(x64.reshape(-1))
-        lengths.append(x64.numel())
+        lengths.append(np.array([x64.numel()]))
         groups: list[tuple[str, torch.Tensor]] = []
         if x64.dim() and x64.numel():  # a 0-d or empty tensor has no array views
             if batch_dim is None:
@@ -169,10 +177,11 @@ def small_summaries(tensors: list[tuple[torch.Tensor, int | None]], max_samples:
                 groups = [("neuron", m[:, :max_neurons].t()), ("sample", m[:max_items])]
         for _, rows in groups:
             pieces.append(rows.reshape(-1))
-            lengths.extend([rows.shape[1]] * rows.shape[0])
+            lengths.append(np.full(rows.shape[0], rows.shape[1]))
         layout.append([(prefix, rows.shape[0]) for prefix, rows in groups])
     device = pieces[0].device
-    table = _segment_stats(torch.cat(pieces), torch.tensor(lengths, device=device))
+    table = _segment_stats(torch.cat(pieces),
+                           torch.from_numpy(np.concatenate(lengths)).to(device))
     per_view = {stat: table[:, _COL[stat]].float() for stat in ("mean", "std", "abs_max")}
     out = []
     at = 0
