@@ -321,36 +321,41 @@ def fast_summaries(tensors: list[torch.Tensor], batch_dim: int | None, max_sampl
     if not math.isfinite(float(n_sum.sum())):  # a NaN or Inf anywhere reaches the total
         return None
     n_sq = _centred_square_sum(m, n_sum, nd)
-    host: dict[str, np.ndarray] = {}
+    device: dict[str, torch.Tensor] = {"n_sum": n_sum, "n_sq": n_sq}
     slab = None
     if batch_dim is not None:
         items = m[:, :max_items]
-        s_sum = items.sum(2)
-        host["s_sq"] = _centred_square_sum(items, s_sum, 2).numpy()
-        host["s_sum"] = s_sum.numpy()
+        device["s_sum"] = items.sum(2)
+        device["s_sq"] = _centred_square_sum(items, device["s_sum"], 2)
         if max_samples > 0:  # before `m` is overwritten below
             slab = m[:, :max_samples, :max_values].to(torch.float32, copy=True)
-    host["n_min"], host["n_max"] = m.amin(nd).numpy(), m.amax(nd).numpy()
+    device["n_min"], device["n_max"] = m.amin(nd), m.amax(nd)
     absm = m.abs_()
-    host["abs_sum"] = absm.sum((1, 2)).numpy()
+    device["abs_sum"] = absm.sum((1, 2), keepdim=True).reshape(g, 1)
     if batch_dim is not None:
-        host["s_abs_max"] = absm[:, :max_items].amax(2).numpy()
+        device["s_abs_max"] = absm[:, :max_items].amax(2)
     # a float32 count of ones is exact below 2**24
-    host["nonzero"] = absm.sign_().sum((1, 2), dtype=torch.float64 if n >= 2**24 else None).numpy()
-    h = {k: v.astype(np.float64) for k, v in host.items()}
-    n_sum64, n_var = n_sum.numpy().astype(np.float64), n_sq.numpy().astype(np.float64) / per
-    n_mean = n_sum64 / per
-    mean = n_sum64.sum(1) / n
+    device["nonzero"] = absm.sign_().sum((1, 2), dtype=torch.float64 if n >= 2**24 else None,
+                                         keepdim=True).reshape(g, 1)
+    # One conversion to float64 on the host, then NumPy views: a torch op per small
+    # result would cost more than the arithmetic.
+    flat = torch.cat([t.reshape(g, -1).to(torch.float64) for t in device.values()], 1).numpy()
+    h, at = {}, 0
+    for key, t in device.items():
+        h[key] = flat[:, at:at + t.shape[1]]
+        at += t.shape[1]
+    n_mean, n_var = h["n_sum"] / per, h["n_sq"] / per
+    mean = h["n_sum"].sum(1) / n
     within = n_var.sum(1)
     mn, mx = h["n_min"].min(1), h["n_max"].max(1)
     columns = {"numel": np.full(g, float(n)), "mean": mean,
                "std": np.sqrt(np.maximum((within + ((n_mean - mean[:, None]) ** 2).sum(1))
                                          * per / n, 0.0)),
-               "abs_mean": h["abs_sum"] / n, "min": mn, "max": mx,
+               "abs_mean": h["abs_sum"][:, 0] / n, "min": mn, "max": mx,
                "abs_max": np.maximum(-mn, mx),
                "norm": np.sqrt((within + (n_mean ** 2).sum(1)) * per),
-               "zero_frac": (n - h["nonzero"]) / n, "nan": np.zeros(g), "posinf": np.zeros(g),
-               "neginf": np.zeros(g), "sv_max": np.full(g, np.nan)}
+               "zero_frac": (n - h["nonzero"][:, 0]) / n, "nan": np.zeros(g),
+               "posinf": np.zeros(g), "neginf": np.zeros(g), "sv_max": np.full(g, np.nan)}
     table = torch.from_numpy(np.stack([columns[c] for c in STAT_COLUMNS], axis=1))
     views = {"neuron_mean": n_mean[:, :max_neurons], "neuron_std": np.sqrt(n_var[:, :max_neurons]),
              "neuron_abs_max": np.maximum(-h["n_min"], h["n_max"])[:, :max_neurons]}
