@@ -221,8 +221,11 @@ class _Axis:
         fraction = position.sub_(index)
         # not (m <= fraction <= 1 − m): near an edge, or NaN (non-finite x)
         unsure = ~((fraction >= self.margin) & (fraction <= 1 - self.margin))
-        index = index.clamp_(-1, n).long()
-        index = torch.where(index < 0, n + _UNDER, torch.where(index >= n, n + _OVER, index))
+        # classes as floats (small integers, exact), in place, then one conversion: fresh
+        # int64 temporaries of this size cost more than the arithmetic
+        index = index.clamp_(-1, n)
+        index = index.masked_fill_(index == n, n + _OVER).masked_fill_(index < 0, n + _UNDER)
+        index = index.long()
         if self.margin >= 0.25:
             unsure = torch.ones_like(unsure)
         if bool(unsure.any()):
@@ -389,14 +392,14 @@ def _factors_usable(part: RankOne) -> bool:
 
 @dataclass
 class _SortedRows:
-    """Each sample's `right` row sorted ascending, and mirrored (−reversed), for counting
-    the products fl(f·r) >= t of a factor f with a row exactly: fl(|f|·r) grows with r, so
-    the count is a cut in the sorted row, found by binary search on the rounded products
-    themselves; a negative factor searches the mirrored row (fl(−a·r) = −fl(a·r)).
+    """Each sample's `right` row sorted ascending, for counting the products fl(f·r) >= t
+    of a factor f with a row exactly: fl(|f|·r) grows with r, so the count is a cut in the
+    sorted row, found by binary search on the rounded products themselves; a negative
+    factor counts from the other end (fl(−a·r) = −fl(a·r)).
 
-    table: (2b, 2**span) flat, rows 0..b-1 ascending, b..2b-1 mirrored, padded with +Inf so
-    that a search never leaves its row.  order: (b, width) original column of each sorted
-    position (only when asked for).
+    table: (b, 2**span) flat, each row ascending, padded with +Inf so that a search never
+    leaves its row.  order: (b, width) original column of each sorted position (only when
+    asked for).
     """
 
     table: Tensor
@@ -418,15 +421,13 @@ class _SortedRows:
             ascending, order = torch.sort(right, dim=1)
             order = order if with_order else None
         span = max(1, width).bit_length()  # 2**span > width
-        table = torch.full((2 * b, 1 << span), math.inf, dtype=right.dtype,
-                           device=right.device)
-        table[:b, :width] = ascending
-        table[b:, :width] = -ascending.flip(1)
+        table = torch.full((b, 1 << span), math.inf, dtype=right.dtype, device=right.device)
+        table[:, :width] = ascending
         return cls(table.reshape(-1), span, width, b, order)
 
     def signs(self) -> tuple[Tensor, Tensor]:
         """(#negative, #positive) values per sample (b,), from the sorted rows."""
-        ascending = self.table.view(2 * self.samples, -1)[: self.samples]
+        ascending = self.table.view(self.samples, -1)
         zero = ascending.new_zeros(self.samples, 1)
         negative = torch.searchsorted(ascending, zero)[:, 0]
         return negative, self.width - torch.searchsorted(ascending, zero, right=True)[:, 0]
@@ -434,17 +435,23 @@ class _SortedRows:
     def count(self, sample: Tensor, factor: Tensor, threshold: Tensor, flip: Tensor
               ) -> tuple[Tensor, Tensor]:
         """(#{r in row: fl(f'·r) >= threshold}, mirrored) per query, f' = −factor where
-        `flip`, else factor (factor nonzero, threshold > 0)."""
+        `flip`, else factor (factor nonzero, threshold > 0). Mirrored (f' < 0): the count
+        is a prefix of the ascending row, else a suffix."""
         mirrored = (factor < 0) ^ flip
-        cursor = (sample + self.samples * mirrored.long()) * (1 << self.span) - 1
+        # with a = |f'|: f' > 0 counts the rest of #{fl(a·r) < t}; f' < 0 (fl(f'·r) =
+        # −fl(a·r)) counts #{fl(a·r) <= −t} = #{fl(a·r) < next float above −t}
+        bound = torch.where(mirrored, torch.nextafter(-threshold, threshold.new_tensor(math.inf)),
+                            threshold)
+        cursor = sample * (1 << self.span) - 1
         start = cursor.clone()
         a = factor.abs()
         # binary lifting; index_select: several times faster than indexing with [] on CPU
         for step in (1 << k for k in range(self.span - 1, -1, -1)):
             candidate = cursor + step
-            cursor = torch.where(a * self.table.index_select(0, candidate) < threshold,
+            cursor = torch.where(a * self.table.index_select(0, candidate) < bound,
                                  candidate, cursor)
-        return self.width - (cursor - start), mirrored
+        below = cursor - start
+        return torch.where(mirrored, below, self.width - below), mirrored
 
 
 def _rank_one_1d(part: RankOne, axis: _Axis) -> Tensor | None:
@@ -559,8 +566,9 @@ def _rank_one_2d(part: RankOne, axis: _Axis, groups: Tensor, n_groups: int) -> T
     elements = torch.bincount(groups, minlength=n_groups).double()
     sides = torch.stack([(a - s) / 2, b * elements - a, (a + s) / 2])  # −, 0, + per group
 
-    # the hits: the last `found` positions of each query's (ascending or mirrored) row;
-    # hit k of query q sits at width − found[q] + (k − first hit of q) = width + k − cumsum[q]
+    # the hits: the last `found` positions of each query's row, ascending or mirrored (−r
+    # reversed: the first `found` ascending); hit k of query q sits at
+    # width − found[q] + (k − first hit of q) = width + k − cumsum[q]
     query = torch.repeat_interleave(torch.arange(found.numel(), device=device), found,
                                     output_size=hits)
     position = (torch.arange(hits, device=device)

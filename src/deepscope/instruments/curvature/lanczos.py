@@ -72,9 +72,10 @@ def _result(ritz: list[float], samples: int) -> dict[str, Estimate]:
 
 
 def _orthogonalise(w: Tensor, basis: Tensor) -> Tensor:
-    """Remove from w (D,) its components along the orthonormal rows of basis (j, D)."""
+    """Remove from w (D,), in place, its components along the orthonormal rows of basis
+    (j, D); returns w."""
     for _ in range(2):  # "twice is enough" (Kahan-Parlett) for working-precision orthogonality
-        w = w - basis.T @ (basis @ w)
+        w.sub_(basis.T @ (basis @ w))  # in place: a fresh (D,) tensor costs page faults
     return w
 
 

@@ -8,6 +8,7 @@ reverse). Estimators (Lanczos, Hutchinson, ...) only see ``matvec``/``matmat``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from itertools import accumulate
 
@@ -265,9 +266,17 @@ def seeded_generator(op: HessianOperator, seed: int) -> torch.Generator:
 def rademacher(op: HessianOperator, k: int, generator: torch.Generator) -> Tensor:
     """k Rademacher (±1) probe vectors, shape (k, D), in the operator's dtype/device."""
     # eight signs per random byte: drawing the random numbers is the cost (bernoulli_ was
-    # several times slower for the same distribution)
+    # several times slower for the same distribution); bit j of a byte gives sign j, looked
+    # up as ±1 in one gather instead of shifting, masking and scaling (k, D) tensors
     n = k * op.dim
     random = torch.randint(0, 256, ((n + 7) // 8,), generator=generator, dtype=torch.uint8,
                            device=op.device)
-    bits = (random[:, None] >> torch.arange(8, dtype=torch.uint8, device=op.device)) & 1
-    return bits.reshape(-1)[:n].reshape(k, op.dim).to(op.dtype).mul_(2).sub_(1)
+    signs = _byte_signs(op.dtype, op.device).index_select(0, random.long())
+    return signs.reshape(-1)[:n].reshape(k, op.dim)
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_signs(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """(256, 8): row b holds 2·bit_j(b) − 1 for j = 0..7."""
+    bits = (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1
+    return (2 * bits - 1).to(dtype)

@@ -25,6 +25,7 @@ from .norms import with_total
 
 EXACT_MAX_DIM = 5000  # "auto" takes the exact diagonal (D HVPs) up to this many parameters
 TIC_EPS = 1e-7
+TIC_CHUNK = 1 << 13  # elements per chunk in tic_diag (64 KiB of float64)
 
 
 def hessian_diagonal(
@@ -81,11 +82,16 @@ def tic_diag(
         diagonals: the matching segments of diag(H) (same element counts).
         eps: ε (Cockpit: 1e-7).
     """
-    # m is promoted to float64 inside the division (exactly), without a float64 copy
-    terms = [
-        (m.reshape(-1) / (h.to(m.device, torch.float64).reshape(-1) + eps)).sum()
-        for m, h in zip(second_moments, diagonals)
-    ]
+    terms = []
+    for m, h in zip(second_moments, diagonals):
+        m, h = m.reshape(-1), h.to(m.device).reshape(-1)
+        # float64 operands (exact casts; mixed dtypes divide far slower), in chunks: the
+        # allocator reuses small temporaries, fresh large ones cost a page fault per 4 KiB
+        term = torch.zeros((), dtype=torch.float64, device=m.device)
+        for lo in range(0, m.numel(), TIC_CHUNK):
+            chunk = slice(lo, lo + TIC_CHUNK)
+            term += (m[chunk].double() / (h[chunk].double() + eps)).sum()
+        terms.append(term)
     return with_total(torch.stack(terms))
 
 
