@@ -124,7 +124,8 @@ def edited(*sql: str) -> Callable[[Path], object]:
     return lambda tmp: deepscope.open_run(edit(tmp, *sql)).steps()
 
 
-NEWER = "UPDATE meta SET value = '2' WHERE key = 'schema_version'"
+NEWER = "UPDATE meta SET value = '3' WHERE key = 'schema_version'"
+OLDER = "UPDATE meta SET value = '1' WHERE key = 'schema_version'"
 
 
 def resume_newer(tmp: Path) -> None:
@@ -134,6 +135,11 @@ def resume_newer(tmp: Path) -> None:
 
 def crafted_shape(tmp: Path) -> None:
     run = edit(tmp, "UPDATE arrays SET shape = '[1073741824]'")
+    deepscope.open_run(run).values("x", 0, view="samples")
+
+
+def damaged_step_data(tmp: Path) -> None:
+    run = edit(tmp, "UPDATE step_blobs SET data = substr(data, 1, length(data) / 2)")
     deepscope.open_run(run).values("x", 0, view="samples")
 
 
@@ -227,10 +233,12 @@ CASES = [
     Case("Files", "open another program's SQLite file", foreign),
     Case("Files", "open a run of a newer deepscope", edited(NEWER)),
     Case("Files", "resume a run of a newer deepscope", resume_newer),
+    Case("Files", "open a run of an older deepscope", edited(OLDER)),
     Case("Files", "open a crafted file (a view instead of a table)",
          edited("DROP TABLE steps", "CREATE VIEW steps AS SELECT 1 AS step")),
     Case("Files", "read a truncated file", truncated),
     Case("Files", "read a crafted array shape", crafted_shape),
+    Case("Files", "read a step whose compressed data is cut short", damaged_step_data),
     # --- command line ---
     Case("Command line", "deepscope ls runs/missing", cli_ls(lambda t: t / "missing")),
     Case("Command line", "deepscope ls runs (with a damaged run)",

@@ -13,6 +13,7 @@ import json
 import re
 import sqlite3
 import tracemalloc
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ from hypothesis import strategies as st
 
 import deepscope
 from deepscope import CorruptRunError
-from deepscope.store import arrays, reader
+from deepscope.store import arrays, codecs, reader
 from deepscope.store.reader import StoreReader
 from tests.stress import fuzz_store, workload
 
@@ -98,10 +99,19 @@ def test_another_apps_sqlite_file_is_refused(tmp_path):
 def test_a_newer_schema_version_asks_for_an_upgrade(tmp_path, sample):
     run_dir = run_with(tmp_path, sample,
                        "UPDATE meta SET value = '99' WHERE key = 'schema_version'")
-    assert "has schema version '99'; this deepscope reads version 1 (upgrade deepscope" \
+    assert "has schema version '99'; this deepscope reads version 2 (upgrade deepscope" \
         in refusal(run_dir)
     with pytest.raises(ValueError, match="schema version 99.*new run name"):
         deepscope.Scope(tmp_path, "run", resume=True)  # and the writer will not touch it
+
+
+def test_an_older_schema_version_is_refused_in_one_line(tmp_path, sample):
+    run_dir = run_with(tmp_path, sample,
+                       "UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+    assert "has schema version '1'; this deepscope reads version 2 (read it with the " \
+        "deepscope release that recorded it)" in refusal(run_dir)
+    with pytest.raises(ValueError, match="schema version 1.*new run name"):
+        deepscope.Scope(tmp_path, "run", resume=True)
 
 
 # --- crafted schemas: SQL that SQLite would evaluate while we read --------------------------
@@ -147,7 +157,7 @@ def input_samples(column: str, value: object) -> str:
     ("dtype", "'object'", "unknown dtype"),
     ("dtype", "'complex128'", "unknown dtype"),
     ("dtype", "'>f4'", "unknown dtype"),
-    ("offset", "(SELECT length(data) FROM step_blobs WHERE step = 0) + 8",
+    ("offset", "(SELECT raw_bytes FROM step_blobs WHERE step = 0 AND part = arrays.part) + 8",
      "holds 0 bytes|points outside"),
     ("nbytes", "nbytes + 4", "declares shape|points outside"),
     ("offset", "offset + 4", None),  # misaligned: must still be the declared size or refused
@@ -188,13 +198,12 @@ def test_offsets_and_lengths_outside_the_blob_are_refused(tmp_path, sample, offs
             run.values("input", 0, view="samples")
 
 
-@pytest.mark.parametrize("offset, nbytes, size", [(-8, 8, 64), (8, -8, 64), (60, 8, 64),
-                                                  (0, 8, None), ("0", 8, 64)])
-def test_decode_slice_refuses_bytes_outside_the_blob(tmp_path, sample, offset, nbytes, size):
+@pytest.mark.parametrize("offset, nbytes", [(-8, 8), (8, -8), (60, 8), (0, None), ("0", 8)])
+def test_decode_slice_refuses_bytes_outside_the_part(tmp_path, sample, offset, nbytes):
     reader_ = StoreReader(run_with(tmp_path, sample) / "rank0.sqlite")
-    assert reader_.decode_slice("float32", "[2]", 56, 8, 64, bytes(8)).tolist() == [0, 0]
+    assert reader_.decode_slice("float32", "[2]", 56, 8, bytes(64)).tolist() == [0, 0]
     with pytest.raises(CorruptRunError, match="points outside its step's data"):
-        reader_.decode_slice("float32", "[2]", offset, nbytes, size, bytes(8))
+        reader_.decode_slice("float32", "[2]", offset, nbytes, bytes(64))
     reader_.close()
 
 
@@ -203,6 +212,67 @@ def test_a_listed_view_without_data_is_reported_as_damage(tmp_path, sample):
         assert "samples" in run.views("input", 0)
         with pytest.raises(CorruptRunError):
             run.values("input", 0, view="samples")
+
+
+# --- crafted step data: codecs, sizes, compressed streams -----------------------------------
+def views_part(column: str, value: object) -> str:
+    """SQL setting `column` of step 0's part 1 (its bfloat16 views, stored shuffle2-zlib)."""
+    return f"UPDATE step_blobs SET {column} = {value} WHERE step = 0 AND part = 1"
+
+
+def blob(data: bytes) -> str:
+    return f"x'{data.hex()}'"
+
+
+ODD = zlib.compress(bytes(range(101)))  # a valid stream of an odd number of bytes
+
+
+@pytest.mark.parametrize("sql, expected", [
+    ([views_part("codec", "'lz4'")], "unknown codec 'lz4'"),
+    ([views_part("codec", "'raw'")], r"holds \d+ bytes, not the declared \d+"),
+    ([views_part("codec", "'zlib'")], None),  # valid zlib, but not unshuffled: wrong values
+    ([views_part("raw_bytes", "raw_bytes + 1")], r"holds (\d+) bytes, not the declared (?!\1)\d+"),
+    ([views_part("raw_bytes", "raw_bytes - 1")], r"holds (\d+) bytes, not the declared (?!\1)\d+"),
+    ([views_part("raw_bytes", "1 << 50")], "declares 1125899906842624 bytes, more than"),
+    ([views_part("raw_bytes", "-1")], "invalid size '-1'"),
+    ([views_part("raw_bytes", "'many'")], "invalid size 'many'"),
+    ([views_part("raw_bytes", "1026.5")], "invalid size '1026.5'"),
+    ([views_part("data", "substr(data, 1, 300)")], r"holds \d+ bytes, not the declared"),
+    ([views_part("data", "CAST(data || x'00' AS BLOB)")], "bytes after it"),
+    ([views_part("data", "zeroblob(730)")], "not a valid shuffle2-zlib stream"),
+    ([views_part("data", "'text'")], "not a blob"),
+    ([views_part("data", blob(ODD)), views_part("raw_bytes", 101)], "odd length"),
+    (["DELETE FROM step_blobs WHERE part = 1"], "step 0 has arrays but no data for part 1"),
+    ([input_samples("part", 7)], "no data for part 7"),
+    ([input_samples("part", "'first'")], "no data for part first"),
+], ids=lambda v: str(v)[:40])
+def test_crafted_step_data_is_refused(tmp_path, sample, sql, expected):
+    view = "samples" if "arrays" in sql[0] else "neuron_mean"
+    with deepscope.open_run(run_with(tmp_path, sample, *sql)) as run:
+        try:
+            run.values("input", 0, view=view)
+        except CorruptRunError as e:
+            assert expected is not None and re.search(expected, str(e)), str(e)
+            assert str(e).isprintable()
+        else:
+            assert expected is None
+
+
+@pytest.mark.parametrize("raw_bytes", [1000, 2**40], ids=["small", "huge"])
+def test_a_zlib_bomb_allocates_nothing(tmp_path, sample, raw_bytes):
+    """64 MiB of zeros in 64 kB of zlib, under a declared size that lies either way."""
+    bomb = zlib.compress(bytes(64 * 2**20), 9)
+    run_dir = run_with(tmp_path, sample, views_part("data", blob(bomb)),
+                       views_part("raw_bytes", raw_bytes))
+    with deepscope.open_run(run_dir) as run:
+        tracemalloc.start()
+        try:
+            with pytest.raises(CorruptRunError, match="not the declared|more than"):
+                run.values("input", 0, view="neuron_mean")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < 8 * 2**20
 
 
 def test_histogram_stored_as_text_is_refused(tmp_path, sample):
@@ -339,6 +409,26 @@ def test_decode_returns_what_is_declared_or_refuses(data):
         assert str(e).isprintable()
         return
     assert list(arr.shape) == json.loads(shape) and arr.size * itemsize == len(blob)
+
+
+@settings(deadline=None, derandomize=True, max_examples=400)
+@given(st.data())
+def test_codec_decode_returns_the_declared_size_or_refuses(data):
+    raw = data.draw(st.binary(max_size=512))
+    codec, stored = codecs.encode(raw, data.draw(st.sampled_from([1, 2, 4])))
+    codec = data.draw(st.one_of(st.just(codec), st.sampled_from(codecs.CODECS),
+                                st.text(max_size=12)))
+    raw_bytes = data.draw(st.one_of(st.just(len(raw)), st.integers(-2, 2**62)))
+    if data.draw(st.booleans()):  # damage the stored bytes
+        stored = data.draw(st.one_of(st.binary(max_size=64),
+                                     st.just(stored[:data.draw(st.integers(0, len(stored)))]),
+                                     st.just(stored + data.draw(st.binary(max_size=8)))))
+    try:
+        out = codecs.decode(codec, raw_bytes, stored)
+    except CorruptRunError as e:
+        assert str(e).isprintable()
+        return
+    assert isinstance(out, bytes) and len(out) == raw_bytes
 
 
 @settings(deadline=None, derandomize=True, max_examples=100)

@@ -154,11 +154,10 @@ class Run:
         """
         r = self._r(rank)
         rows = r.query(
-            "SELECT a.dtype, a.shape, a.offset, a.nbytes, length(b.data), "
-            "substr(b.data, a.offset + 1, a.nbytes) FROM arrays a "
-            "JOIN tensors t ON t.id = a.tensor_id LEFT JOIN step_blobs b ON b.step = a.step "
-            "WHERE t.name = ? AND a.step = ? AND a.iteration = ? AND a.direction = ? "
-            "AND a.view = ?", (tensor, step, iteration, direction, view))
+            "SELECT a.dtype, a.shape, a.part, a.offset, a.nbytes FROM arrays a "
+            "JOIN tensors t ON t.id = a.tensor_id WHERE t.name = ? AND a.step = ? "
+            "AND a.iteration = ? AND a.direction = ? AND a.view = ?",
+            (tensor, step, iteration, direction, view))
         if not rows:
             have = self.views(tensor, step, iteration=iteration, direction=direction, rank=rank)
             if view in have:  # listed, yet not found by its key: a damaged index
@@ -166,7 +165,8 @@ class Run:
                                       "is listed but unreadable; the file is damaged")
             raise KeyError(f"no view {view!r} of {tensor!r} ({direction}) at step {step}, "
                            f"iteration {iteration}; stored views: {have or 'none'}")
-        return r.decode_slice(*rows[0])
+        dtype, shape, part, offset, nbytes = rows[0]
+        return r.decode_slice(dtype, shape, offset, nbytes, r.step_part(step, part))
 
     # --- graph ----------------------------------------------------------------------------
     def graph(self, step: int | None = None, *, kind: str | None = None, iteration: int = 0,

@@ -23,6 +23,11 @@ MAX_NDIM = 8
 MAX_SHAPE_CHARS = 256
 
 
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a stored dtype name (bfloat16: 2)."""
+    return 2 if dtype == BFLOAT16 else DTYPES[dtype].itemsize
+
+
 def encode(array: np.ndarray | torch.Tensor) -> tuple[str, str, bytes]:
     """Return (dtype name, JSON shape, little-endian bytes) for a numeric array or host tensor."""
     if isinstance(array, torch.Tensor):

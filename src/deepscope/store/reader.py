@@ -11,19 +11,23 @@ from __future__ import annotations
 import functools
 import json
 import sqlite3
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import CorruptRunError
-from . import arrays
+from . import arrays, codecs
 from .schema import DDL, SCHEMA_VERSION
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 # Python's sqlite3 raises UnicodeDecodeError instead of DatabaseError when SQLite's message
 # quotes damaged bytes (e.g. "malformed database schema (...)") that are not UTF-8.
 _STORAGE_ERRORS = (sqlite3.DatabaseError, UnicodeDecodeError)
+# Decoded step parts kept per reader: the parts of the last few steps read.
+_CACHED_PARTS = 8
 
 
 def _corrupt(message: str) -> CorruptRunError:
@@ -102,9 +106,11 @@ def _check_store(con: sqlite3.Connection, path: Path) -> None:
     if version is None:
         raise _corrupt(f"{path} has no schema version; it is not a deepscope store")
     if version[0] != str(SCHEMA_VERSION):
-        raise _corrupt(
-            f"{path} has schema version {str(version[0])[:20]!r}; this deepscope reads "
-            f"version {SCHEMA_VERSION} (upgrade deepscope to read newer runs)")
+        older = version[0] in [str(v) for v in range(1, SCHEMA_VERSION)]
+        fix = ("read it with the deepscope release that recorded it" if older
+               else "upgrade deepscope to read newer runs")
+        raise _corrupt(f"{path} has schema version {str(version[0])[:20]!r}; this deepscope "
+                       f"reads version {SCHEMA_VERSION} ({fix})")
     _check_tables(con, path, [t for t in expected_tables() if t != "meta"])
 
 
@@ -136,6 +142,8 @@ class StoreReader:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._con = open_readonly(path)
+        self._parts: OrderedDict[tuple[int, int], bytes] = OrderedDict()  # least recent first
+        self._parts_lock = threading.Lock()  # the GUI server reads from several threads
 
     def close(self) -> None:
         self._con.close()
@@ -167,20 +175,46 @@ class StoreReader:
             raise _corrupt(f"{self.path}: array metadata has the wrong type; file damaged")
         return arrays.decode(dtype, shape, data)
 
-    def decode_slice(self, dtype: Any, shape: Any, offset: Any, nbytes: Any, blob_size: Any,
-                     data: Any) -> np.ndarray:
-        """An array stored as bytes [offset, offset + nbytes) of its step's blob.
+    def step_part(self, step: int, part: int) -> bytes:
+        """The uncompressed bytes of one part of a step's arrays, validated (see `codecs`).
 
-        SQL's substr() counts a negative start or length from the other end, so the bounds
-        are checked here: a crafted row must not read another array's bytes.
+        The last few parts are kept: views of one step are read in a row (the GUI shows
+        several), and a committed step never changes.
         """
-        bounds = (offset, nbytes, blob_size)
-        if not (all(isinstance(v, int) and v >= 0 for v in bounds)
-                and offset + nbytes <= blob_size):
+        key = (step, part)
+        with self._parts_lock:
+            data = self._parts.get(key)
+            if data is not None:
+                self._parts.move_to_end(key)
+                return data
+        rows = self.query("SELECT codec, raw_bytes, data FROM step_blobs WHERE step = ? AND "
+                          "part = ?", (step, part))
+        if not rows:
+            raise _corrupt(f"{self.path}: step {step} has arrays but no data for part {part}; "
+                           "the file is damaged")
+        try:
+            data = codecs.decode(*rows[0])
+        except CorruptRunError as exc:
+            raise _corrupt(f"{self.path}: step {step}, part {part}: {exc}") from None
+        with self._parts_lock:
+            self._parts[key] = data
+            while len(self._parts) > _CACHED_PARTS:
+                self._parts.popitem(last=False)
+        return data
+
+    def decode_slice(self, dtype: Any, shape: Any, offset: Any, nbytes: Any,
+                     part: bytes) -> np.ndarray:
+        """An array stored as bytes [offset, offset + nbytes) of its (uncompressed) part.
+
+        Python slicing clips out-of-range bounds and counts negative ones from the end, so
+        the bounds are checked here: a crafted row must not read another array's bytes.
+        """
+        if not (isinstance(offset, int) and isinstance(nbytes, int) and offset >= 0
+                and nbytes >= 0 and offset + nbytes <= len(part)):
             raise _corrupt(f"{self.path}: an array points outside its step's data "
-                           f"(offset {offset!r}, {nbytes!r} bytes of {blob_size!r}); the file "
+                           f"(offset {offset!r}, {nbytes!r} bytes of {len(part)}); the file "
                            "is damaged")
-        return self.decode_array(dtype, shape, data)
+        return self.decode_array(dtype, shape, part[offset:offset + nbytes])
 
     @staticmethod
     def decode_json(text: Any, what: str) -> Any:

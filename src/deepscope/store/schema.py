@@ -4,7 +4,7 @@ Every table is plain SQL; arrays are raw little-endian bytes with `dtype` and `s
 (see `arrays.py`). Nothing here can execute code when read.
 """
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 APPLICATION_ID = 0x44534350  # "DSCP": marks the file as a deepscope store for `file(1)` and us
 
 # Statistics stored for every tensor record, in column order. Units: those of the tensor.
@@ -37,15 +37,18 @@ CREATE TABLE IF NOT EXISTS records (
     iteration INTEGER NOT NULL, {", ".join(c + " REAL" for c in STAT_COLUMNS)},
     PRIMARY KEY (tensor_id, direction, step, iteration)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS records_by_step ON records (step, iteration);
--- All arrays of one step live in one blob (few, full overflow pages instead of a partly
--- empty page per array); `arrays` indexes into it.
-CREATE TABLE IF NOT EXISTS step_blobs (step INTEGER PRIMARY KEY, data BLOB NOT NULL);
+-- The arrays of one step live in a few blobs, one per part (dtype and device), each
+-- compressed by `codec` (see codecs.py): few, full overflow pages instead of a partly empty
+-- page per array. `arrays` indexes into the uncompressed parts.
+CREATE TABLE IF NOT EXISTS step_blobs (
+    step INTEGER NOT NULL, part INTEGER NOT NULL, codec TEXT NOT NULL,
+    raw_bytes INTEGER NOT NULL, data BLOB NOT NULL, PRIMARY KEY (step, part));
+-- Keyed by record first, then view: listing a record's views and reading one share the key.
 CREATE TABLE IF NOT EXISTS arrays (
     tensor_id INTEGER NOT NULL, direction TEXT NOT NULL, view TEXT NOT NULL,
     step INTEGER NOT NULL, iteration INTEGER NOT NULL, dtype TEXT NOT NULL, shape TEXT NOT NULL,
-    offset INTEGER NOT NULL, nbytes INTEGER NOT NULL,
-    PRIMARY KEY (tensor_id, direction, view, step, iteration)) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS arrays_by_record ON arrays (tensor_id, direction, step, iteration);
+    part INTEGER NOT NULL, offset INTEGER NOT NULL, nbytes INTEGER NOT NULL,
+    PRIMARY KEY (tensor_id, direction, step, iteration, view)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS graphs (hash TEXT PRIMARY KEY, body TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS iterations (
     step INTEGER NOT NULL, iteration INTEGER NOT NULL, graph TEXT NOT NULL,

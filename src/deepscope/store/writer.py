@@ -1,9 +1,10 @@
 """The write path: a background thread that commits one transaction per step.
 
 The training thread only builds payloads (device tensors included) and puts them on a bounded
-queue; the writer copies them to the host, encodes them and commits. A full queue either blocks
-the trainer (back-pressure, the default) or drops whole steps with a counted warning. A failing
-disk disables recording with one warning; what was committed stays readable.
+queue; the writer copies them to the host, encodes and compresses them (zlib runs without the
+GIL, beside training) and commits. A full queue either blocks the trainer (back-pressure, the
+default) or drops whole steps with a counted warning. A failing disk disables recording with
+one warning; what was committed stays readable.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from ..instruments.base import QuantityValue
-from . import arrays
+from . import arrays, codecs
 from .schema import APPLICATION_ID, DDL, SCHEMA_VERSION, STAT_COLUMNS
 
 log = logging.getLogger("deepscope")
@@ -291,16 +292,20 @@ class StoreWriter:
                  for (name, direction, iteration), row in zip(summary.keys,
                                                               summary.stats.tolist())])
         if summary.arrays:
-            starts = [0]
-            for data in summary.parts:
-                starts.append(starts[-1] + len(data))
-            con.execute("INSERT OR REPLACE INTO step_blobs VALUES (?, ?)",
-                        (p.step, b"".join(summary.parts)))
-            con.executemany("INSERT OR REPLACE INTO arrays VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                            [(ids.get(name) or self._tensor_ids[name], direction, view, p.step,
-                              iteration, dtype, shape, starts[part] + offset, nbytes)
-                             for name, direction, view, iteration, dtype, shape, part, offset,
-                             nbytes in summary.arrays])
+            # Each part holds one dtype; its element size picks the codec.
+            itemsizes = {part: arrays.itemsize(dtype)
+                         for _, _, _, _, dtype, _, part, _, _ in summary.arrays}
+            blobs = []
+            for part, data in enumerate(summary.parts):
+                codec, stored = codecs.encode(data, itemsizes.get(part, 1))
+                blobs.append((p.step, part, codec, len(data), stored))
+            con.executemany("INSERT OR REPLACE INTO step_blobs VALUES (?, ?, ?, ?, ?)", blobs)
+            con.executemany(
+                "INSERT OR REPLACE INTO arrays VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(ids.get(name) or self._tensor_ids[name], direction, view, p.step, iteration,
+                  dtype, shape, part, offset, nbytes)
+                 for name, direction, view, iteration, dtype, shape, part, offset, nbytes
+                 in summary.arrays])
         con.executemany("INSERT OR IGNORE INTO graphs VALUES (?, ?)", list(p.graphs.items()))
         con.executemany("INSERT OR REPLACE INTO iterations VALUES (?, ?, ?)",
                         [(p.step, i, h) for i, h in p.iteration_graphs])
