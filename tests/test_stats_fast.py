@@ -10,7 +10,8 @@ import torch
 from deepscope.recorder.stats import (
     Capture,
     array_views,
-    fast_summaries,
+    fast_batched,
+    fast_parameters,
     small_summaries,
     summarise_captures,
     tensor_stats,
@@ -46,17 +47,40 @@ def assert_same(got: tuple, want: tuple, view_rtol: float = 1e-5) -> None:
                                    atol=1e-6, err_msg=k)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("shape,batch_dim,scale,offset", CASES)
-def test_fast_equals_general(shape, batch_dim, scale, offset, dtype):
-    gen = torch.Generator().manual_seed(0)
+def make(shape, scale, offset, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
     xs = [(torch.randn(shape, generator=gen) * scale + offset).to(dtype) for _ in range(3)]
     for x in xs:
         x.view(-1)[::5] = 0
+    return xs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape,batch_dim,scale,offset",
+                         [c for c in CASES if c[1] is None])
+def test_fast_parameters_equal_general(shape, batch_dim, scale, offset, dtype):
+    xs = make(shape, scale, offset, dtype)
+    want = [general(x, None, max_samples=2, max_neurons=7) for x in xs]
+    got = fast_parameters([x.clone() for x in xs], max_neurons=7)   # stacked
+    alone = fast_parameters([xs[0].clone()], max_neurons=7)         # one, unstacked
+    for g, w in zip(got + alone, want + want[:1]):
+        assert_same(g, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fast_batched_equals_general(dtype):
+    # every batched case side by side: batch size 6 along their batch dimension
+    pairs = []
+    for k, (shape, batch_dim, scale, offset) in enumerate(CASES):
+        if batch_dim is None:
+            continue
+        shape = list(shape)
+        shape[batch_dim] = 6
+        pairs += [(x, batch_dim) for x in make(tuple(shape), scale, offset, dtype, seed=k)]
     kw = dict(max_samples=2, max_neurons=7, max_items=5, max_values=30)
-    want = [general(x, batch_dim, **kw) for x in xs]
-    got = fast_summaries([x.clone() for x in xs], batch_dim, **kw)   # stacked
-    alone = fast_summaries([xs[0].clone()], batch_dim, **kw)           # one, unstacked
+    want = [general(x, bd, **kw) for x, bd in pairs]
+    got = fast_batched([(x.clone(), bd) for x, bd in pairs], **kw)
+    alone = fast_batched([(pairs[0][0].clone(), pairs[0][1])], **kw)
     for g, w in zip(got + alone, want + want[:1]):
         assert_same(g, w)
 
@@ -65,18 +89,19 @@ def test_fast_keeps_precision_when_mean_dwarfs_spread():
     # mean/std = 1e4: E[x²] − E[x]² in float32 would lose every digit of the variance
     x = 1000.0 + 0.1 * torch.randn(64, 50, generator=torch.Generator().manual_seed(1))
     x[:, 3] = 1000.0                                           # a constant neuron
-    (row, views), = fast_summaries([x.clone()], 0, 0)
     ref = x.double().numpy()
-    assert row[STAT_COLUMNS.index("std")].item() == pytest.approx(ref.std(), rel=1e-4)
-    np.testing.assert_allclose(views["neuron_std"].numpy(), ref.std(0), rtol=1e-3, atol=1e-6)
-    assert views["neuron_std"][3].item() == 0.0
+    for (row, views), std in ((fast_batched([(x.clone(), 0)], 0)[0], ref.std(0)),
+                              (fast_parameters([x.clone()])[0], ref.std(1))):
+        assert row[STAT_COLUMNS.index("std")].item() == pytest.approx(ref.std(), rel=1e-4)
+        np.testing.assert_allclose(views["neuron_std"].numpy(), std, rtol=1e-3, atol=1e-6)
+    assert fast_batched([(x.clone(), 0)], 0)[0][1]["neuron_std"][3].item() == 0.0
 
 
 def test_fast_refuses_non_finite_and_leaves_the_tensor_untouched():
     x = torch.randn(10, 4)
     x[3, 2] = float("inf")
     copy = x.clone()
-    assert fast_summaries([copy], 0, 2) is None
+    assert fast_batched([(copy, 0)], 2) is None and fast_parameters([copy]) is None
     assert torch.equal(copy, x)
 
 

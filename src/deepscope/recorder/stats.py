@@ -275,103 +275,146 @@ def _scratch(shape: tuple[int, ...], dtype: torch.dtype, slot: str) -> torch.Ten
 _local = threading.local()
 
 
-def _centred_square_sum(m: torch.Tensor, total: torch.Tensor, dim: int) -> torch.Tensor:
-    """Σ (x − mean)² of 3-D `m` along `dim`, given the sums `total` along it.
-
-    Centred on the mean first: no E[x²] − E[x]² cancellation. Sums accumulate in m's dtype:
-    float64 accumulation costs 3–6× on the CPU, and float32 sums of a few thousand values
-    keep ~7 significant digits.
-    """
-    centred = torch.sub(m, (total / m.shape[dim]).unsqueeze(dim),
-                        out=_scratch(tuple(m.shape), m.dtype, "centred"))
-    return centred.square_().sum(dim)
-
-
 def fast_eligible(x: torch.Tensor, batch_dim: int | None) -> bool:
-    """Whether `fast_summaries` can take `x`: a float32/64 CPU tensor with neurons."""
+    """Whether the fast paths can take `x`: a float32/64 CPU tensor with neurons."""
     return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
             and x.numel() > 0 and x.dim() >= (1 if batch_dim is not None else 2))
 
 
-def fast_summaries(tensors: list[torch.Tensor], batch_dim: int | None, max_samples: int,
-                   max_neurons: int = DEFAULT_MAX_NEURONS, max_items: int = DEFAULT_MAX_ITEMS,
-                   max_values: int = DEFAULT_MAX_VALUES
-                   ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]] | None:
-    """`tensor_stats` and `array_views` of same-shaped finite `fast_eligible` tensors at once.
+Summaries = list[tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
-    The tensors are stacked, so the number of ops does not grow with their number; about
-    a third of the passes over the data of the general path and no float64 copy: the totals
-    come from per-neuron moments (law of total variance), combined on the host in NumPy.
-    The tensors must be private copies: they may be overwritten. None when the general path
-    is needed (a non-finite value).
-    """
-    if batch_dim is None:   # neuron = index along dim 0
-        ms = [x.reshape(x.shape[0], -1) for x in tensors]
-        nd = 2
-    else:                   # neuron = everything but the batch dimension
-        ms = [x.movedim(batch_dim, 0) for x in tensors]
-        ms = [x.reshape(x.shape[0], -1) for x in ms]
-        nd = 1
-    if len(ms) == 1:
-        m = ms[0].unsqueeze(0)  # (G, rows, columns)
-    else:
-        m = torch.stack(ms, out=_scratch((len(ms), *ms[0].shape), ms[0].dtype, "stack"))
-    g, per, n = m.shape[0], m.shape[nd], m.shape[1] * m.shape[2]
-    n_sum = m.sum(nd)
+
+def fast_parameters(tensors: list[torch.Tensor], max_neurons: int = DEFAULT_MAX_NEURONS
+                    ) -> Summaries | None:
+    """`tensor_stats` and `array_views` of same-shaped finite `fast_eligible` tensors without
+    a batch dimension (neuron = index along dim 0), stacked: the number of ops does not grow
+    with their number. The tensors must be private copies: they may be overwritten. None
+    when the general path is needed (a non-finite value)."""
+    rows = [x.reshape(x.shape[0], -1) for x in tensors]
+    g, k, per = len(rows), rows[0].shape[0], rows[0].shape[1]
+    m = (rows[0].unsqueeze(0) if g == 1 else
+         torch.stack(rows, out=_scratch((g, k, per), rows[0].dtype, "stack")))
+    n_sum = m.sum(2)
     if not math.isfinite(float(n_sum.sum())):  # a NaN or Inf anywhere reaches the total
         return None
-    n_sq = _centred_square_sum(m, n_sum, nd)
-    device: dict[str, torch.Tensor] = {"n_sum": n_sum, "n_sq": n_sq}
-    slab = None
-    if batch_dim is not None:
-        items = m[:, :max_items]
-        device["s_sum"] = items.sum(2)
-        device["s_sq"] = _centred_square_sum(items, device["s_sum"], 2)
-        if max_samples > 0:  # before `m` is overwritten below
-            slab = m[:, :max_samples, :max_values].to(torch.float32, copy=True)
-    device["n_min"], device["n_max"] = m.amin(nd), m.amax(nd)
+    centred = torch.sub(m, (n_sum / per).unsqueeze(2),
+                        out=_scratch(tuple(m.shape), m.dtype, "centred"))
+    device = {"sum": n_sum, "sq": centred.square_().sum(2), "min": m.amin(2), "max": m.amax(2)}
     absm = m.abs_()
-    device["abs_sum"] = absm.sum((1, 2), keepdim=True).reshape(g, 1)
-    if batch_dim is not None:
-        device["s_abs_max"] = absm[:, :max_items].amax(2)
-    # a float32 count of ones is exact below 2**24
-    device["nonzero"] = absm.sign_().sum((1, 2), dtype=torch.float64 if n >= 2**24 else None,
-                                         keepdim=True).reshape(g, 1)
-    # One conversion to float64 on the host, then NumPy views: a torch op per small
-    # result would cost more than the arithmetic.
-    flat = torch.cat([t.reshape(g, -1).to(torch.float64) for t in device.values()], 1).numpy()
-    h, at = {}, 0
-    for key, t in device.items():
-        h[key] = flat[:, at:at + t.shape[1]]
-        at += t.shape[1]
-    n_mean, n_var = h["n_sum"] / per, h["n_sq"] / per
-    mean = h["n_sum"].sum(1) / n
-    within = n_var.sum(1)
-    mn, mx = h["n_min"].min(1), h["n_max"].max(1)
-    columns = {"numel": np.full(g, float(n)), "mean": mean,
-               "std": np.sqrt(np.maximum((within + ((n_mean - mean[:, None]) ** 2).sum(1))
-                                         * per / n, 0.0)),
-               "abs_mean": h["abs_sum"][:, 0] / n, "min": mn, "max": mx,
-               "abs_max": np.maximum(-mn, mx),
-               "norm": np.sqrt((within + (n_mean ** 2).sum(1)) * per),
-               "zero_frac": (n - h["nonzero"][:, 0]) / n, "nan": np.zeros(g),
-               "posinf": np.zeros(g), "neginf": np.zeros(g), "sv_max": np.full(g, np.nan)}
-    table = torch.from_numpy(np.stack([columns[c] for c in STAT_COLUMNS], axis=1))
-    views = {"neuron_mean": n_mean[:, :max_neurons], "neuron_std": np.sqrt(n_var[:, :max_neurons]),
-             "neuron_abs_max": np.maximum(-h["n_min"], h["n_max"])[:, :max_neurons]}
-    if batch_dim is not None:
-        items_n = m.shape[2]
-        views.update(sample_mean=h["s_sum"] / items_n, sample_std=np.sqrt(h["s_sq"] / items_n),
-                     sample_abs_max=h["s_abs_max"])
-    views32 = {k: torch.from_numpy(v.astype(np.float32)) for k, v in views.items()}
+    device["abs"] = absm.sum(2)
+    device["nonzero"] = absm.sign_().sum(2)
+    h = _to_host({key: t.reshape(-1) for key, t in device.items()})
+    table, views = _from_neurons(h, np.arange(g) * k, np.full(g, k), per, max_neurons)
+    return [(table[i], {key: v[i] for key, v in views.items()}) for i in range(g)]
+
+
+def fast_batched(tensors: list[tuple[torch.Tensor, int]], max_samples: int,
+                 max_neurons: int = DEFAULT_MAX_NEURONS, max_items: int = DEFAULT_MAX_ITEMS,
+                 max_values: int = DEFAULT_MAX_VALUES) -> Summaries | None:
+    """`tensor_stats` and `array_views` of finite `fast_eligible` (tensor, batch_dim) pairs with
+    one batch size and dtype, whatever their other dimensions: side by side as the columns
+    of one (B, neurons) matrix, so a step's activations and their gradients take ~20 ops in
+    all. Per-sample sums per tensor are one matmul with a 0/1 column-to-tensor matrix. The
+    tensors must be private copies. None when the general path is needed (a non-finite
+    value)."""
+    blocks = [x.movedim(bd, 0) for x, bd in tensors]
+    rest = [b.shape[1:] for b in blocks]
+    blocks = [b.reshape(b.shape[0], -1) for b in blocks]
+    widths = [b.shape[1] for b in blocks]
+    batch, total, dtype = blocks[0].shape[0], sum(widths), blocks[0].dtype
+    m = torch.cat(blocks, 1, out=_scratch((batch, total), dtype, "stack"))
+    n_sum = m.sum(0)
+    if not math.isfinite(float(n_sum.sum())):  # a NaN or Inf anywhere reaches the total
+        return None
+    centred = _scratch((batch, total), dtype, "centred")
+    device = {"sum": n_sum,
+              "sq": torch.sub(m, n_sum / batch, out=centred).square_().sum(0)}
+    items = m[:max_items]
+    member = _membership(tuple(widths), dtype)        # (total, T) 0/1
+    repeats = torch.tensor(widths)
+    s_sum = items @ member                            # (B', T)
+    spread = torch.sub(items, torch.repeat_interleave(s_sum / repeats.to(dtype), repeats, dim=1),
+                       out=centred[:items.shape[0]])
+    sample = {"sum": s_sum, "sq": spread.square_() @ member}
+    slab = m[:max_samples].to(torch.float32, copy=True) if max_samples > 0 else None
+    device["min"], device["max"] = m.amin(0), m.amax(0)
+    absm = m.abs_()
+    device["abs"] = absm.sum(0)
+    starts = np.cumsum([0, *widths[:-1]])
+    sample["abs_max"] = torch.stack([absm[:max_items, s:s + w].amax(1)
+                                     for s, w in zip(starts.tolist(), widths)], 1)
+    device["nonzero"] = absm.sign_().sum(0)
+    h = _to_host(device)
+    table, views = _from_neurons(h, starts, np.array(widths), batch, max_neurons)
+    hs = _to_host(sample)
+    per_item = np.array(widths, dtype=np.float64)
+    sample_views = {key: torch.from_numpy(np.ascontiguousarray(v.T, dtype=np.float32))
+                    for key, v in (("sample_mean", hs["sum"] / per_item),
+                                   ("sample_std", np.sqrt(hs["sq"] / per_item)),
+                                   ("sample_abs_max", hs["abs_max"]))}
     out = []
-    for i, x in enumerate(tensors):
-        vs = {k: v[i] for k, v in views32.items()}
+    for i, (s, w) in enumerate(zip(starts.tolist(), widths)):
+        vs = {key: v[i] for key, v in views.items()}
+        vs.update({key: v[i] for key, v in sample_views.items()})
         if slab is not None:
-            rest = x.movedim(batch_dim, 0).shape[1:]
-            vs["samples"] = slab[i] if m.shape[2] > max_values else slab[i].view(-1, *rest)
+            values = slab[:, s:s + min(w, max_values)]
+            vs["samples"] = values.reshape(-1, *rest[i]) if w <= max_values else values
         out.append((table[i], vs))
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _membership(widths: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """(sum(widths), len(widths)): 1 where a column belongs to a tensor."""
+    owner = torch.repeat_interleave(torch.arange(len(widths)), torch.tensor(widths))
+    return torch.nn.functional.one_hot(owner, len(widths)).to(dtype)
+
+
+def _to_host(device: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """Same-length results as float64 NumPy arrays, in one conversion: a torch op per small
+    result would cost more than the arithmetic done with them."""
+    shapes = [t.shape for t in device.values()]
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in device.values()]).numpy()
+    out, at = {}, 0
+    for key, shape in zip(device, shapes):
+        size = math.prod(shape)
+        out[key] = flat[at:at + size].reshape(shape)
+        at += size
+    return out
+
+
+def _from_neurons(h: dict[str, np.ndarray], starts: np.ndarray, counts: np.ndarray, per: int,
+                  max_neurons: int) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]]]:
+    """Statistics rows (T, len(STAT_COLUMNS)) and neuron views of T tensors, from per-neuron
+    sums over `per` values each: sum, sq (Σ (x − neuron mean)²), min, max, abs (Σ|x|),
+    nonzero; tensor t owns neurons starts[t] .. starts[t] + counts[t]. The tensor's variance
+    is the mean within-neuron variance plus the variance of the neuron means (law of total
+    variance): no E[x²] − E[x]² cancellation."""
+    def seg(a: np.ndarray, ufunc: np.ufunc = np.add) -> np.ndarray:
+        return ufunc.reduceat(a, starts)
+
+    n = counts * per
+    n_mean, n_var = h["sum"] / per, h["sq"] / per
+    mean = seg(h["sum"]) / n
+    within = seg(n_var)
+    spread = seg((n_mean - np.repeat(mean, counts)) ** 2)
+    mn, mx = seg(h["min"], np.minimum), seg(h["max"], np.maximum)
+    t = len(starts)
+    columns = {"numel": n.astype(np.float64), "mean": mean,
+               "std": np.sqrt(np.maximum((within + spread) * per / n, 0.0)),
+               "abs_mean": seg(h["abs"]) / n, "min": mn, "max": mx,
+               "abs_max": np.maximum(-mn, mx), "norm": np.sqrt((within + seg(n_mean ** 2)) * per),
+               "zero_frac": (n - seg(h["nonzero"])) / n, "nan": np.zeros(t),
+               "posinf": np.zeros(t), "neginf": np.zeros(t), "sv_max": np.full(t, np.nan)}
+    table = torch.from_numpy(np.stack([columns[c] for c in STAT_COLUMNS], axis=1))
+    per_neuron = {"neuron_mean": n_mean, "neuron_std": np.sqrt(n_var),
+                  "neuron_abs_max": np.maximum(-h["min"], h["max"])}
+    views = {}
+    for key, values in per_neuron.items():
+        v32 = torch.from_numpy(values.astype(np.float32))
+        views[key] = [v32[s:s + min(c, max_neurons)]
+                      for s, c in zip(starts.tolist(), counts.tolist())]
+    return table, views
 
 
 class Capture(NamedTuple):
@@ -427,7 +470,8 @@ def _summarise_unique(captures: list[Capture], max_samples: int, max_neurons: in
     keys = [(c.name, c.direction, c.iteration) for c in captures]
     done: list[tuple[torch.Tensor, dict[str, torch.Tensor]] | None] = [None] * len(captures)
     small: dict[torch.device, list[int]] = {}
-    same: dict[tuple, list[int]] = {}
+    params: dict[tuple, list[int]] = {}
+    batched: dict[tuple, list[int]] = {}
     for i, c in enumerate(captures):
         x = c.tensor
         if singular_values and c.is_parameter and x.dim() == 2:
@@ -435,15 +479,21 @@ def _summarise_unique(captures: list[Capture], max_samples: int, max_neurons: in
         elif x.numel() <= BATCHED_NUMEL:
             small.setdefault(x.device, []).append(i)
         elif fast_eligible(x, c.batch_dim):
-            same.setdefault((tuple(x.shape), x.dtype, c.batch_dim), []).append(i)
+            if c.batch_dim is None:
+                params.setdefault((tuple(x.shape), x.dtype), []).append(i)
+            else:
+                batched.setdefault((x.shape[c.batch_dim], x.dtype), []).append(i)
     for idx in small.values():
         pairs = [(captures[i].tensor, captures[i].batch_dim) for i in idx]
         for i, result in zip(idx, small_summaries(pairs, max_samples, max_neurons)):
             done[i] = result
-    for (_, _, batch_dim), idx in same.items():
-        results = fast_summaries([captures[i].tensor for i in idx], batch_dim, max_samples,
-                                 max_neurons)
-        for i, result in zip(idx, results or []):
+    for idx in params.values():
+        for i, result in zip(idx, fast_parameters([captures[i].tensor for i in idx],
+                                                  max_neurons) or []):
+            done[i] = result
+    for idx in batched.values():
+        pairs = [(captures[i].tensor, captures[i].batch_dim) for i in idx]
+        for i, result in zip(idx, fast_batched(pairs, max_samples, max_neurons) or []):  # type: ignore[arg-type]
             done[i] = result
     for i, c in enumerate(captures):
         if done[i] is None:  # the general path: another device or dtype, non-finite values
