@@ -114,8 +114,10 @@ def check_steps(run: deepscope.Run, seed: int, steps: Iterable[int]) -> None:
         samples = run.values("input", step, view="samples")
         assert np.array_equal(samples, x[:MAX_SAMPLES].numpy()), f"step {step}: not its input"
         stat = rows.set_index(["tensor", "direction"])["mean"]
-        assert math.isclose(stat["input", "forward"], x.double().mean().item(),
-                            rel_tol=1e-9, abs_tol=1e-12), f"step {step}: input mean differs"
+        # float32 sums: exact to ~1e-7 of the values' scale
+        assert math.isclose(stat["input", "forward"], x.double().mean().item(), rel_tol=1e-6,
+                            abs_tol=1e-6 * x.abs().mean().item()), \
+            f"step {step}: input mean differs"
         graph = run.graph(step)
         assert {t["name"] for t in graph["tensors"]} >= {n for n, _ in EXPECTED_RECORDS}, \
             f"step {step}: graph lacks tensors"
