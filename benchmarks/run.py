@@ -92,6 +92,7 @@ class Group:
     title: str
     entries: tuple[Entry, ...]
     note: str = ""
+    min_repeats: int = 0  # small ratios need more repeats to beat process-to-process noise
 
 
 def ratio_target(limit: float) -> Target:
@@ -149,7 +150,9 @@ GROUPS: tuple[Group, ...] = (
               "deepscope:mlp:trace"),
     ), note="The recorder set-up above (activation hooks, `rec.tensor`, `rec.loss`, anomalies "
        "off) on steps the schedule does not choose; only step 0, a warm-up step, is recorded. "
-       "The health-check rows record nothing and run only the anomaly monitor."),
+       "The health-check rows record nothing and run only the anomaly monitor. At least 9 "
+       "repeats: the plain step itself varies by ~10% from one process to the next.",
+       min_repeats=9),
     Group("mlp-instruments", "Instruments — MLP 784-256-256-10, batch 128, every step", (
         Entry(PLAIN, "plain:mlp:train"),
         *_instrument_entries("mlp", {"economy": 10, "business": 12, "full": 40}, 20),
@@ -262,14 +265,15 @@ def measure_full(groups: Iterable[Group], settings: Settings, pythons: dict[str,
     out: dict[str, Records] = {}
     for group in groups:
         records: Records = {e.spec: [] for e in group.entries}
-        for r in range(settings.repeats):
+        repeats = max(settings.repeats, group.min_repeats)
+        for r in range(repeats):
             order = group.entries if r % 2 == 0 else group.entries[::-1]
             for entry in order:
                 runs = records[entry.spec]
                 if runs and "error" in runs[0]:
                     continue  # failed once: the failure is deterministic, do not repeat it
                 runs.append(measure_one(entry, settings, pythons))
-                print(f"{group.name} [{r + 1}/{settings.repeats}] {entry.label}: "
+                print(f"{group.name} [{r + 1}/{repeats}] {entry.label}: "
                       f"{describe(runs[-1], entry.stat)}", file=sys.stderr, flush=True)
         out[group.name] = records
     return out
