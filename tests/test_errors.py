@@ -98,11 +98,11 @@ def test_unwritable_path(tmp_path):
 
 
 def test_internal_failure_logged_once_training_continues(tmp_path, monkeypatch, caplog):
-    import deepscope.recorder.stats as stats_mod
+    import deepscope.recorder.summary as summary_mod
 
     def broken(*a, **k):
         raise RuntimeError("boom in stats")
-    monkeypatch.setattr(stats_mod, "small_summaries", broken)
+    monkeypatch.setattr(summary_mod, "small_summaries", broken)
     lin = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)
     before = lin.weight.detach().clone()

@@ -118,12 +118,15 @@ def test_aggregate_views_precision(tmp_path, exact):
     np.testing.assert_allclose(got, want, rtol=1e-5 if exact else 4e-3)
 
 
-def test_batched_stats_equal_per_tensor_stats():
-    from deepscope.recorder.stats import batched_stats
+@pytest.mark.parametrize("empty", [False, True], ids=["numpy-segments", "torch-segments"])
+def test_small_summaries_equal_per_tensor_stats(empty):
+    from deepscope.recorder.stats import small_summaries
     tensors = [torch.randn(7), torch.randn(3, 4) * 5 + 2, torch.tensor(2.5), torch.zeros(5),
                torch.tensor([1.0, float("nan"), float("inf"), -2.0, float("-inf")]),
-               torch.full((2,), float("nan")), torch.tensor([1, 0, 3]), torch.empty(0)]
-    got = batched_stats(tensors).numpy()
+               torch.full((2,), float("nan")), torch.tensor([1, 0, 3])]
+    # an empty tensor has an empty segment, which NumPy's reduceat cannot take
+    tensors += [torch.empty(0)] if empty else []
+    got = [row.numpy() for row, _ in small_summaries([(t, None) for t in tensors], 0)]
     for row, t in zip(got, tensors):
         want = tensor_stats(t).numpy()
         np.testing.assert_allclose(row, want, rtol=1e-12, atol=1e-12, equal_nan=True)

@@ -7,15 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from deepscope.recorder.stats import (
-    Capture,
-    array_views,
-    fast_batched,
-    fast_parameters,
-    small_summaries,
-    summarise_captures,
-    tensor_stats,
-)
+from deepscope.recorder.fast import fast_batched, fast_parameters
+from deepscope.recorder.stats import array_views, small_summaries, tensor_stats
+from deepscope.recorder.summary import Capture, summarise_captures
 from deepscope.store import arrays
 from deepscope.store.schema import STAT_COLUMNS
 

@@ -14,7 +14,7 @@ import torch
 from ..hookstate import hooks_paused
 from ..store.writer import StepPayload, TensorInfo
 from .graph import Named, build_graphs, graph_hash, saved_attachments
-from .stats import Capture, summarise_captures
+from .summary import Capture, summarise_captures
 
 if TYPE_CHECKING:
     from .scope import Scope
