@@ -455,6 +455,9 @@ def render_markdown(results: dict[str, Any]) -> str:
                              f"{verdict(t['ok'])} |")
     for group in results["groups"]:
         lines += ["", f"## {group['title']}", ""]
+        measured = group.get("measured", {})
+        if measured.get("date") != results["date"]:  # merged from an earlier run
+            lines += [f"Measured {measured.get('date')} by `{measured.get('command')}`.", ""]
         if group["note"]:
             lines += [group["note"], ""]
         lines += ["| configuration | ms/step | × plain | timed steps | close | peak RSS "
@@ -475,6 +478,24 @@ def render_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merge_previous(results: dict[str, Any], previous: Path) -> dict[str, Any]:
+    """`results` of an `--only` run, plus the other groups of the run stored in `previous`
+    (same results version), in `GROUPS` order; each group keeps its own `measured`."""
+    try:
+        old = json.loads(previous.read_text())
+    except (OSError, ValueError):
+        return results
+    if old.get("version") != RESULTS_VERSION:
+        return results
+    fresh = {g["name"]: g for g in results["groups"]}
+    kept = {g["name"]: g for g in old.get("groups", []) if g.get("name") not in fresh}
+    for group in kept.values():  # groups from before per-group provenance
+        group.setdefault("measured", {k: old.get(k, "") for k in ("command", "date", "note")})
+    merged = {**fresh, **kept}
+    results["groups"] = [merged[g.name] for g in GROUPS if g.name in merged]
+    return results
+
+
 def command_line(argv: list[str]) -> str:
     """The command as typed from the repository root."""
     python = Path(sys.executable)
@@ -493,7 +514,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "timed steps; warm-up stops after a quarter of it (default 10)")
     parser.add_argument("--repeats", type=int, help="interleaved repeats (default 3; quick 1)")
     parser.add_argument("--only", nargs="+", metavar="GROUP", choices=[g.name for g in GROUPS],
-                        help=f"run only these groups: {', '.join(g.name for g in GROUPS)}")
+                        help=f"run only these groups: {', '.join(g.name for g in GROUPS)}; "
+                             "the other groups of the results already in --out are kept")
     parser.add_argument("--no-peers", action="store_true", help="do not run comgra and Cockpit")
     parser.add_argument("--out", type=Path,
                         help="results folder (default benchmarks/results; quick: "
@@ -557,6 +579,10 @@ def main(argv: list[str] | None = None) -> int:
         "groups": [{"name": g.name, "title": g.title, "note": g.note,
                     "rows": summarize(g, records[g.name])} for g in groups],
     }
+    for group in results["groups"]:
+        group["measured"] = {k: results[k] for k in ("command", "date", "note")}
+    if args.only is not None and not args.quick:
+        results = merge_previous(results, args.out / "results.json")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     markdown = render_markdown(results)

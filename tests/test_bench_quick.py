@@ -59,3 +59,25 @@ def test_quick_benchmark_writes_well_formed_results(tmp_path: Path) -> None:
     assert "| group | configuration | target | measured | met |" in markdown
     for group in results["groups"]:
         assert f"## {group['title']}" in markdown
+
+
+def test_an_only_run_keeps_the_other_groups_of_the_stored_results(tmp_path: Path) -> None:
+    bench = load_run_module()
+    first, second = bench.GROUPS[0].name, bench.GROUPS[1].name
+
+    def results(date: str, names: list[str]) -> dict:
+        return {"version": bench.RESULTS_VERSION, "command": f"run {date}", "date": date,
+                "note": "", "groups": [{"name": n, "title": n, "note": "", "rows": [],
+                                        "measured": {"command": f"run {date}", "date": date,
+                                                     "note": ""}} for n in names]}
+
+    stored = tmp_path / "results.json"
+    stored.write_text(json.dumps(results("day 1", [first, second])))
+    merged = bench.merge_previous(results("day 2", [second]), stored)
+    assert [g["name"] for g in merged["groups"]] == [first, second]      # GROUPS order
+    assert [g["measured"]["date"] for g in merged["groups"]] == ["day 1", "day 2"]
+    # another results version, or none, is not merged
+    stored.write_text(json.dumps({**results("day 1", [first]), "version": -1}))
+    assert [g["name"] for g in bench.merge_previous(results("day 2", [second]), stored)
+            ["groups"]] == [second]
+    assert bench.merge_previous(results("day 2", [second]), tmp_path / "missing.json")
