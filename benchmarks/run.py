@@ -155,9 +155,13 @@ GROUPS: tuple[Group, ...] = (
        min_repeats=9),
     Group("mlp-instruments", "Instruments — MLP 784-256-256-10, batch 128, every step", (
         Entry(PLAIN, "plain:mlp:train"),
+        Entry("deepscope first-order tests + α", "deepscope:mlp:tests-alpha",
+              targets=(ratio_target(1.5),)),
         *_instrument_entries("mlp", {"economy": 10, "business": 12, "full": 40}, 20),
     ), note="deepscope: `Scope(schedule=never, instruments=level, instrument_schedule="
-       "every(1))`, `rec.loss(loss, per_sample=losses)`. Cockpit 1.0.2 as in its seed: "
+       "every(1))`, `rec.loss(loss, per_sample=losses)`; first-order tests + α: "
+       "`instruments=[\"NormTest\", \"InnerTest\", \"OrthoTest\", \"Alpha\"]`. "
+       "Cockpit 1.0.2 as in its seed: "
        "BackPACK-extended model and loss, `configuration(level)` every step, the info dict, "
        "`backward(create_graph=cockpit.create_graph(step))`."),
     Group("linear-instruments", "Instruments — linear 784-10 (the Cockpit seed), batch 128, "

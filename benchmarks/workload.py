@@ -42,7 +42,7 @@ LR = 1e-2
 MODES: dict[str, tuple[str, ...]] = {
     "plain": ("train",),
     "deepscope": ("recorder", "named4", "unrecorded", "check", "trace", "defaults",
-                  "defaults-economy", "economy", "business", "full"),
+                  "defaults-economy", "tests-alpha", "economy", "business", "full"),
     "comgra": ("recorder",),
     "cockpit": ("economy", "business", "full"),
 }
@@ -144,8 +144,13 @@ def deepscope_config(mode: str) -> tuple[dict[str, object], dict[str, object]]:
         return {}, {}
     if mode == "defaults-economy":
         return {"instruments": "economy"}, {}
-    return ({"schedule": deepscope.never, "instruments": mode,
+    # "tests-alpha": the first-order tests and α alone
+    quantities = FIRST_ORDER if mode == "tests-alpha" else mode
+    return ({"schedule": deepscope.never, "instruments": quantities,
              "instrument_schedule": every_step}, {})
+
+
+FIRST_ORDER = ["NormTest", "InnerTest", "OrthoTest", "Alpha"]
 
 
 NAMED4 = {0: "fc1", 1: "h1", 3: "h2", 4: "logits"}  # MLP layer index -> registered name
