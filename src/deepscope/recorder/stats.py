@@ -1,8 +1,9 @@
 """Per-tensor statistics, computed on the tensor's own device without a host sync.
 
 Every statistic ignores non-finite elements and the NaN/+Inf/-Inf counts are kept beside it, so
-one NaN never hides the rest of a tensor. Results stay on the device; the step recorder stacks
-them and the writer copies them to the host once per step.
+one NaN never hides the rest of a tensor. Results stay on the device; `summary` stacks them
+and copies them to the host once per step. This is the general path (any device and dtype,
+non-finite values); `fast` is the CPU fast path, tested against it.
 """
 
 from __future__ import annotations

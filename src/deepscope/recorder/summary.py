@@ -38,12 +38,12 @@ def summarise_captures(captures: list[Capture], max_samples: int, max_neurons: i
                        ) -> StepSummary:
     """Statistics and array views of a step's captures, copied to the host in one transfer each.
 
-    Aggregated views (neuron_*, sample_*)
-    are bfloat16 (3 significant digits, float32 range: enough to draw, half the bytes) unless
-    `exact_views`; full sample values stay float32; the statistics are float64 (of a float32
-    tensor: accurate to ~1e-7 of its scale, as its own values are). Captures that
-    share a tensor (one tensor under two names) are summarised and stored once. The tensors
-    are overwritten, then handed to `release`; nothing returned shares their memory.
+    Aggregated views (neuron_*, sample_*) are bfloat16 (3 significant digits, float32 range:
+    enough to draw, half the bytes) unless `exact_views`; full sample values stay float32; the
+    statistics are float64 (of a float32 tensor: accurate to ~1e-7 of its scale, as its own
+    values are). Captures that share a tensor (one tensor under two names) are summarised and
+    stored once. The tensors are overwritten, then handed to `release`; nothing returned
+    shares their memory.
     """
     all_keys = [(c.name, c.direction, c.iteration) for c in captures]
     first: dict[int, int] = {}  # id(tensor) -> index of its first capture
