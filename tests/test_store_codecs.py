@@ -42,14 +42,16 @@ def test_the_byte_shuffle_is_low_bytes_then_high_bytes():
 @pytest.mark.parametrize("exact", [False, True], ids=["bfloat16-views", "exact-views"])
 def test_every_view_reads_back_what_was_recorded(tmp_path, exact):
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(16, 40, generator=gen).round(decimals=1)  # compressible, like activations
+    x = torch.randn(16, 40, generator=gen)
+    h = x.round(decimals=1).relu()  # half zeros, like a ReLU's output: compressible
     w = torch.randn(12, 5, generator=gen)
     with deepscope.Scope(tmp_path, "r", schedule=1, max_samples=3, exact_views=exact) as scope:
         with scope.step(0) as rec:
             rec.tensor("x", x, role="input")
+            rec.tensor("h", h)
             rec.tensor("w", w, role="parameter")
     run = deepscope.open_run(tmp_path / "r")
-    for name, tensor, batch_dim in (("x", x, 0), ("w", w, None)):
+    for name, tensor, batch_dim in (("x", x, 0), ("h", h, 0), ("w", w, None)):
         want = array_views(tensor, batch_dim, max_samples=3)
         assert run.views(name, 0) == sorted(want)
         for view, expected in want.items():
@@ -63,14 +65,15 @@ def test_every_view_reads_back_what_was_recorded(tmp_path, exact):
     con = sqlite3.connect(tmp_path / "r" / "rank0.sqlite")
     stored = con.execute("SELECT part, codec FROM step_blobs ORDER BY part").fetchall()
     con.close()
-    assert stored == [(0, "zlib"), (1, "zlib" if exact else "shuffle2-zlib")]
+    # mostly-zero samples compressed, dense float32 samples raw, views compressed
+    assert stored == [(0, "zlib"), (1, "raw"), (2, "zlib" if exact else "shuffle2-zlib")]
 
 
 def test_views_of_one_step_decompress_each_part_once(tmp_path, monkeypatch):
     with deepscope.Scope(tmp_path, "r", schedule=1) as scope:
         for step in range(2):
             with scope.step(step) as rec:
-                rec.tensor("x", torch.zeros(8, 30), role="input")
+                rec.tensor("x", torch.zeros(8, 30), role="input")  # zeros: one samples part
     calls = []
     real = codecs.decode
     monkeypatch.setattr(codecs, "decode", lambda *a: calls.append(a[0]) or real(*a))

@@ -19,6 +19,8 @@ from .stats import array_views, small_summaries, tensor_stats
 # Tensors up to this many elements are summarised together in one batch of segmented
 # reductions: for them the fixed cost of ~20 separate small ops dominates.
 BATCHED_NUMEL = 4096
+# Samples of tensors with at least this fraction of exact zeros are compressed.
+SPARSE = 0.3
 
 
 class Capture(NamedTuple):
@@ -65,7 +67,8 @@ def summarise_captures(captures: list[Capture], max_samples: int, max_neurons: i
         for entry in by_key.get((source.name, source.direction, source.iteration), []):
             entries.append((c.name, c.direction, entry[2], c.iteration, *entry[4:]))
     rows = [row_of[id(c.tensor)] for c in captures]
-    return StepSummary(all_keys, summary.stats[rows], entries, summary.parts)
+    return StepSummary(all_keys, summary.stats[rows], entries, summary.parts,
+                       summary.compress)
 
 
 def _summarise_unique(captures: list[Capture], max_samples: int, max_neurons: int,
@@ -105,27 +108,32 @@ def _summarise_unique(captures: list[Capture], max_samples: int, max_neurons: in
     host_stats = torch.empty(len(captures), len(STAT_COLUMNS), dtype=torch.float64)
     for idx in _by_device([row for row, _ in done]):  # type: ignore[misc]
         host_stats[idx] = torch.stack([done[i][0] for i in idx]).cpu()  # type: ignore[index]
-    pending = [(c.name, c.direction, view, c.iteration, arr)
-               for c, (_, vs) in zip(captures, done) for view, arr in vs.items()]
-    entries, parts = [], []
-    # One part per kind of array — full sample values (float32), aggregated views (bfloat16
-    # unless exact) — and device: one transfer each, converted in one go.
-    for exact in (True, False):
-        part = [p for p in pending if (p[2] == "samples") == exact]
-        for idx in _by_device([p[4] for p in part]):
+    zero_frac = host_stats[:, STAT_COLUMNS.index("zero_frac")].tolist()
+    # Three kinds of part: aggregated views (bfloat16 unless exact; compressed), full sample
+    # values of mostly-zero tensors (float32; compressed: ReLU outputs halve) and of the
+    # others (float32; stored raw: zlib gains little on dense floats at a high price).
+    pending = [(c.name, c.direction, view, c.iteration, arr,
+                "views" if view != "samples" else
+                "sparse" if zero_frac[i] >= SPARSE else "dense")
+               for i, (c, (_, vs)) in enumerate(zip(captures, done)) for view, arr in vs.items()]
+    entries, parts, compress = [], [], []
+    for kind in ("sparse", "dense", "views"):
+        part = [p for p in pending if p[5] == kind]
+        for idx in _by_device([p[4] for p in part]):  # one transfer per device
             flat = torch.cat([part[i][4].reshape(-1) for i in idx])
-            if not (exact or exact_views):
+            if kind == "views" and not exact_views:
                 flat = flat.to(torch.bfloat16)
             dtype, _, data = arrays.encode(flat)
             itemsize, offset = flat.element_size(), 0
             for i in idx:
-                name, direction, view, it, arr = part[i]
+                name, direction, view, it, arr, _ = part[i]
                 nbytes = arr.numel() * itemsize
                 entries.append((name, direction, view, it, dtype, _shape_text(arr.shape),
                                 len(parts), offset, nbytes))
                 offset += nbytes
             parts.append(data)
-    return StepSummary(keys, host_stats.numpy(), entries, parts)
+            compress.append(kind != "dense")
+    return StepSummary(keys, host_stats.numpy(), entries, parts, compress)
 
 
 @functools.lru_cache(maxsize=1024)
