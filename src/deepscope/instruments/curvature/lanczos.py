@@ -17,9 +17,9 @@ def lanczos(op: HessianOperator, num_iter: int = 30, seed: int = 0) -> dict[str,
     Runs ``min(num_iter, D)`` Lanczos steps (one HVP each) from a seeded Gaussian start
     vector and returns the extreme Ritz values of the tridiagonal matrix. Every Lanczos
     vector is kept, shape (num_iter, D), so each new one can be orthogonalised against
-    all before it (twice, classical Gram-Schmidt); hence with num_iter >= D the result is
-    the exact spectrum's extremes up to round-off. Ritz values always lie inside the
-    spectrum: "max_algebraic" never overestimates the largest eigenvalue.
+    all before it (classical Gram-Schmidt, repeated when needed); hence with num_iter >= D
+    the result is the exact spectrum's extremes up to round-off. Ritz values always lie
+    inside the spectrum: "max_algebraic" never overestimates the largest eigenvalue.
 
     Returns:
         {"max_algebraic", "min_algebraic", "max_magnitude"} -> Estimate with a float value
@@ -34,25 +34,30 @@ def lanczos(op: HessianOperator, num_iter: int = 30, seed: int = 0) -> dict[str,
     betas: list[float] = []
     eps = torch.finfo(op.dtype).eps
     scale = 0.0  # running estimate of ‖H‖, the yardstick for an invariant subspace
-    q = _random_unit(op, generator, basis[:0])
+    basis[0] = _random_unit(op, generator, basis[:0])
+    w = torch.empty(op.dim, dtype=op.dtype, device=op.device)  # reused: no (D,) allocations
     for j in range(steps):
-        basis[j] = q
-        w = op.matvec(q)
+        q = basis[j]
+        op.matvec(q, out=w)
         alphas.append(float(torch.dot(q, w)))
         if not math.isfinite(alphas[-1]):  # a NaN/Inf in H: report NaN, never hide it
             return _result([math.nan], j + 1)
         if j == steps - 1:
             break
-        w = _orthogonalise(w, basis[: j + 1])
-        beta = float(w.norm())
+        # The three-term recurrence first, then full reorthogonalisation removes only
+        # round-off: one pass of it suffices (see `_orthogonalise`).
+        w.sub_(q, alpha=alphas[-1])
+        if betas:
+            w.sub_(basis[j - 1], alpha=betas[-1])
+        beta = _orthogonalise(w, basis[: j + 1])
         scale = max(scale, abs(alphas[-1]) + beta)
         if beta > eps * scale:
-            q = w / beta
+            torch.div(w, beta, out=basis[j + 1])
         else:
             # The Krylov space is invariant (e.g. repeated eigenvalues): continue from a
             # fresh direction, decoupled in T, so that num_iter = D finds every eigenvalue.
             beta = 0.0
-            q = _random_unit(op, generator, basis[: j + 1])
+            basis[j + 1] = _random_unit(op, generator, basis[: j + 1])
         betas.append(beta)
 
     tridiagonal = torch.diag(torch.tensor(alphas, dtype=torch.float64))
@@ -71,16 +76,27 @@ def _result(ritz: list[float], samples: int) -> dict[str, Estimate]:
     }
 
 
-def _orthogonalise(w: Tensor, basis: Tensor) -> Tensor:
+def _orthogonalise(w: Tensor, basis: Tensor) -> float:
     """Remove from w (D,), in place, its components along the orthonormal rows of basis
-    (j, D); returns w."""
-    for _ in range(2):  # "twice is enough" (Kahan-Parlett) for working-precision orthogonality
-        w.sub_(basis.T @ (basis @ w))  # in place: a fresh (D,) tensor costs page faults
-    return w
+    (j, D); returns ‖w‖ afterwards.
+
+    Classical Gram-Schmidt, repeated only when a pass removed most of w (the DGKS criterion:
+    the norm fell below 1/√2 of what it was). Only then can round-off leave components along
+    the basis; otherwise one pass is orthogonal to working precision. Each pass reads the
+    whole basis twice, which dominates Lanczos after the HVPs.
+    """
+    norm = float(w.norm())
+    for _ in range(2):  # "twice is enough" (Kahan-Parlett)
+        if not len(basis):
+            break
+        w.addmv_(basis.T, basis @ w, alpha=-1)  # in place: a fresh (D,) tensor page-faults
+        before, norm = norm, float(w.norm())
+        if norm >= before / math.sqrt(2):
+            break
+    return norm
 
 
 def _random_unit(op: HessianOperator, generator: torch.Generator, basis: Tensor) -> Tensor:
     """A seeded Gaussian unit vector (D,) orthogonal to the rows of basis."""
     v = torch.randn(op.dim, generator=generator, dtype=op.dtype, device=op.device)
-    v = _orthogonalise(v, basis)
-    return v / v.norm()
+    return v / _orthogonalise(v, basis)

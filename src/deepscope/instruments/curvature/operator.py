@@ -150,10 +150,15 @@ class HessianOperator:
         self._check_flat(flat, "flat", batched=False)
         return [seg.view(shape) for seg, shape in zip(flat.split(self.sizes), self.shapes)]
 
-    def matvec(self, v: Tensor) -> Tensor:
-        """H v for a flat (D,) vector; returns a detached flat (D,) tensor."""
+    def matvec(self, v: Tensor, out: Tensor | None = None) -> Tensor:
+        """H v for a flat (D,) vector; returns a detached flat (D,) tensor: `out` when given
+        (a (D,) tensor of the operator's dtype and device; a buffer reused across calls
+        spares a fresh allocation per product, which page-faults on the CPU)."""
         self._check_flat(v, "v", batched=False)
-        return self._hvp(v.unsqueeze(0), batched=False)[0]
+        if out is not None:
+            self._check_flat(out, "out", batched=False)
+            out = out.unsqueeze(0)
+        return self._hvp(v.unsqueeze(0), batched=False, out=out)[0]
 
     def matmat(self, V: Tensor) -> Tensor:
         """H applied to each row of V, shape (k, D) -> (k, D), detached.
@@ -189,14 +194,15 @@ class HessianOperator:
         tol = torch.finfo(self.dtype).eps ** 0.5 * (plain.norm() + out.norm())
         return bool((out.sum(0) - plain).norm() <= tol)
 
-    def _hvp(self, V: Tensor, batched: bool) -> Tensor:
-        """(k, D) -> (k, D); k must be 1 when not batched."""
+    def _hvp(self, V: Tensor, batched: bool, out: Tensor | None = None) -> Tensor:
+        """(k, D) -> (k, D), written into `out` if given; k must be 1 when not batched."""
         if self._grads is None:
             raise RuntimeError("HessianOperator was released; build a new one from a fresh loss")
         k = V.shape[0]
-        out = torch.zeros(k, self.dim, dtype=self.dtype, device=self.device)
+        if out is None:
+            out = torch.empty(k, self.dim, dtype=self.dtype, device=self.device)
         if not self._grads:
-            return out  # loss is at most linear in the parameters: H = 0
+            return out.zero_()  # loss is at most linear in the parameters: H = 0
         offsets = [0, *accumulate(self.sizes)]
         outputs, grad_outputs = [], []
         for i, g in self._grads:
@@ -222,8 +228,11 @@ class HessianOperator:
                 ) from None
             raise
         for i, h in enumerate(hv):
-            if h is not None:
-                out[:, offsets[i] : offsets[i + 1]] = h.reshape(k, -1).to(out)
+            part = out[:, offsets[i] : offsets[i + 1]]
+            if h is None:
+                part.zero_()  # a parameter the gradient does not depend on
+            else:
+                part.copy_(h.reshape(k, -1))
         return out
 
     def _check_flat(self, x: Tensor, name: str, batched: bool) -> None:
