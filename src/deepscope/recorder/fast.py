@@ -10,27 +10,13 @@ tests compare the two.
 from __future__ import annotations
 
 import math
-import threading
 
 import numpy as np
 import torch
 
+from ..scratch import scratch
 from ..store.schema import STAT_COLUMNS
 from .stats import DEFAULT_MAX_ITEMS, DEFAULT_MAX_NEURONS, DEFAULT_MAX_VALUES
-
-
-def _scratch(shape: tuple[int, ...], dtype: torch.dtype, slot: str) -> torch.Tensor:
-    """A reused CPU buffer of this thread: a fresh large allocation page-faults on every step
-    (~0.4 ms per 800 kB), a reused one does not. One buffer per `slot`, grown as needed."""
-    numel = math.prod(shape)
-    buf = getattr(_local, slot, None)
-    if buf is None or buf.dtype != dtype or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=dtype)
-        setattr(_local, slot, buf)
-    return buf[:numel].view(shape)
-
-
-_local = threading.local()
 
 
 def fast_eligible(x: torch.Tensor, batch_dim: int | None) -> bool:
@@ -51,12 +37,12 @@ def fast_parameters(tensors: list[torch.Tensor], max_neurons: int = DEFAULT_MAX_
     rows = [x.reshape(x.shape[0], -1) for x in tensors]
     g, k, per = len(rows), rows[0].shape[0], rows[0].shape[1]
     m = (rows[0].unsqueeze(0) if g == 1 else
-         torch.stack(rows, out=_scratch((g, k, per), rows[0].dtype, "stack")))
+         torch.stack(rows, out=scratch((g, k, per), rows[0].dtype, "stack")))
     n_sum = m.sum(2)
     if not math.isfinite(float(n_sum.sum())):  # a NaN or Inf anywhere reaches the total
         return None
     centred = torch.sub(m, (n_sum / per).unsqueeze(2),
-                        out=_scratch(tuple(m.shape), m.dtype, "centred"))
+                        out=scratch(tuple(m.shape), m.dtype, "centred"))
     device = {"sum": n_sum, "sq": centred.square_().sum(2), "min": m.amin(2), "max": m.amax(2)}
     absm = m.abs_()
     device["abs"] = absm.sum(2)
@@ -79,11 +65,11 @@ def fast_batched(tensors: list[tuple[torch.Tensor, int]], max_samples: int,
     blocks = [b.reshape(b.shape[0], -1) for b in blocks]
     widths = [b.shape[1] for b in blocks]
     batch, total, dtype = blocks[0].shape[0], sum(widths), blocks[0].dtype
-    m = torch.cat(blocks, 1, out=_scratch((batch, total), dtype, "stack"))
+    m = torch.cat(blocks, 1, out=scratch((batch, total), dtype, "stack"))
     n_sum = m.sum(0)
     if not math.isfinite(float(n_sum.sum())):  # a NaN or Inf anywhere reaches the total
         return None
-    centred = _scratch((batch, total), dtype, "centred")
+    centred = scratch((batch, total), dtype, "centred")
     device = {"sum": n_sum,
               "sq": torch.sub(m, n_sum / batch, out=centred).square_().sum(0)}
     starts = np.cumsum([0, *widths[:-1]])

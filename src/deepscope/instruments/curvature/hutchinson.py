@@ -24,8 +24,8 @@ def hutchinson_diagonal(op: HessianOperator, samples: int = 10, seed: int = 0) -
     total = torch.zeros(op.dim, dtype=op.dtype, device=op.device)
     for start in range(0, samples, op.batch_size):
         probes = rademacher(op, min(op.batch_size, samples - start), generator)
-        total += (probes * op.matmat(probes)).sum(0)
-    return Estimate(total / samples, "hutchinson", samples)
+        total += op.matmat(probes).mul_(probes).sum(0)  # in place: (k, D) temporaries page-fault
+    return Estimate(total.div_(samples), "hutchinson", samples)
 
 
 def hutchinson_trace(op: HessianOperator, samples: int = 10, seed: int = 0) -> Estimate:

@@ -170,12 +170,16 @@ class HessianOperator:
         the operator falls back to one backward pass per row from then on.
         """
         self._check_flat(V, "V", batched=True)
-        return torch.cat([self._hvp_block(block) for block in V.split(self.batch_size)])
+        # one output, filled in place: no fresh (D,)-sized pieces to concatenate
+        out = torch.empty(V.shape, dtype=self.dtype, device=self.device)
+        for lo in range(0, V.shape[0], self.batch_size):
+            self._hvp_block(V[lo:lo + self.batch_size], out[lo:lo + self.batch_size])
+        return out
 
-    def _hvp_block(self, block: Tensor) -> Tensor:
+    def _hvp_block(self, block: Tensor, out: Tensor) -> None:
         if self._batched is not False and block.shape[0] > 1:
             try:
-                out = self._hvp(block, batched=True)
+                self._hvp(block, batched=True, out=out)
             except _NoSecondDerivative:
                 raise
             except RuntimeError:  # an op without a vmap batching rule
@@ -183,9 +187,10 @@ class HessianOperator:
             else:
                 if self._batched or self._agrees_with_plain_backward(block, out):
                     self._batched = True
-                    return out
+                    return
                 self._batched = False
-        return torch.cat([self._hvp(row.unsqueeze(0), batched=False) for row in block])
+        for i, row in enumerate(block):
+            self._hvp(row.unsqueeze(0), batched=False, out=out[i:i + 1])
 
     def _agrees_with_plain_backward(self, block: Tensor, out: Tensor) -> bool:
         """Whether H (Σ rows of block), one plain backward, equals the sum of out's rows."""

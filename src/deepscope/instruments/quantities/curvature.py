@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...scratch import scratch
 from ..curvature import (
     Estimate,
     HessianOperator,
@@ -25,7 +26,7 @@ from .norms import with_total
 
 EXACT_MAX_DIM = 5000  # "auto" takes the exact diagonal (D HVPs) up to this many parameters
 TIC_EPS = 1e-7
-TIC_CHUNK = 1 << 13  # elements per chunk in tic_diag (64 KiB of float64)
+TIC_CHUNK = 1 << 20  # elements per pass of tic_diag: its two float64 buffers stay at 16 MiB
 
 
 def hessian_diagonal(
@@ -85,12 +86,15 @@ def tic_diag(
     terms = []
     for m, h in zip(second_moments, diagonals):
         m, h = m.reshape(-1), h.to(m.device).reshape(-1)
-        # float64 operands (exact casts; mixed dtypes divide far slower), in chunks: the
-        # allocator reuses small temporaries, fresh large ones cost a page fault per 4 KiB
+        # float64 operands (exact casts; mixed dtypes divide far slower) in reused buffers
+        # of at most TIC_CHUNK elements: fresh large temporaries page-fault on the CPU
         term = torch.zeros((), dtype=torch.float64, device=m.device)
         for lo in range(0, m.numel(), TIC_CHUNK):
-            chunk = slice(lo, lo + TIC_CHUNK)
-            term += (m[chunk].double() / (h[chunk].double() + eps)).sum()
+            mc, hc = m[lo:lo + TIC_CHUNK], h[lo:lo + TIC_CHUNK]
+            shape = (mc.numel(),)
+            denominator = scratch(shape, torch.float64, "tic-h", m.device).copy_(hc).add_(eps)
+            term += scratch(shape, torch.float64, "tic-m", m.device).copy_(mc).div_(
+                denominator).sum()
         terms.append(term)
     return with_total(torch.stack(terms))
 
