@@ -30,16 +30,25 @@ def train_mlp(scope, steps: int = 4, batch: int = 8) -> MLP3:
     scope.watch(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(steps):
-        x, y = torch.randn(batch, 6), torch.randint(0, 3, (batch,))
-        with scope.step(step) as rec:
-            rec.tensor("input", x, role="input")
-            rec.tensor("target", y, role="target")
-            out = model(x, rec)
-            rec.tensor("output", out, role="output")
-            losses = nn.functional.cross_entropy(out, y, reduction="none")
-            rec.loss(losses.mean(), per_sample=losses)
-            opt.zero_grad()
-            losses.mean().backward()
-            opt.step()
-            rec.kpi("accuracy", (out.argmax(1) == y).float().mean())
+        record_step(scope, model, opt, step, torch.randn(batch, 6),
+                    torch.randint(0, 3, (batch,)))
     return model
+
+
+def record_step(scope, model: nn.Module, opt: torch.optim.Optimizer, step: int,
+                x: torch.Tensor, y: torch.Tensor, kind: str = "default",
+                accuracy: bool = True) -> None:
+    """One SGD step of a classifier `model(x, rec)`, recording input, target, output and the
+    loss with its per-sample losses (and the KPI "accuracy" if asked)."""
+    with scope.step(step, kind=kind) as rec:
+        rec.tensor("input", x, role="input")
+        rec.tensor("target", y, role="target")
+        out = model(x, rec)
+        rec.tensor("output", out, role="output")
+        losses = nn.functional.cross_entropy(out, y, reduction="none")
+        rec.loss(losses.mean(), per_sample=losses)
+        opt.zero_grad()
+        losses.mean().backward()
+        opt.step()
+        if accuracy:
+            rec.kpi("accuracy", (out.argmax(1) == y).float().mean())

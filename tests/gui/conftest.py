@@ -13,6 +13,7 @@ from torch import nn
 
 import deepscope
 from deepscope.instruments.base import QuantityValue
+from tests.helpers import record_step
 
 STEPS = 6
 
@@ -32,18 +33,9 @@ class Net(nn.Module):
 
 def train_step(scope: deepscope.Scope, model: Net, opt: torch.optim.Optimizer, step: int,
                kind: str = "train") -> None:
-    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
-    with scope.step(step, kind=kind) as rec:
-        rec.tensor("input", x, role="input")
-        rec.tensor("target", y, role="target")
-        out = model(x, rec)
-        rec.tensor("output", out, role="output")
-        losses = nn.functional.cross_entropy(out, y, reduction="none")
-        rec.loss(losses.mean(), per_sample=losses)
-        opt.zero_grad()
-        losses.mean().backward()
-        opt.step()
-        rec.kpi("loss", losses.mean())
+    """One recorded step on a fresh random batch (the loss is the only KPI)."""
+    record_step(scope, model, opt, step, torch.randn(4, 5), torch.randint(0, 3, (4,)), kind,
+                accuracy=False)
 
 
 def instrument_values(model: Net, step: int) -> list[QuantityValue]:

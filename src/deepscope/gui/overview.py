@@ -6,6 +6,7 @@ Each runs only while its tab is shown, so the graph tab's clicks never pay for t
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from typing import Any
 
 import dash
@@ -136,15 +137,22 @@ def _list_table(headers: list[str], rows: list[list[Any]]) -> html.Table:
                        html.Tbody([html.Tr(cells) for cells in rows])], className="list-table")
 
 
+def _shown_frame(project: ProjectData, tab: str, wanted: str, run: str | None,
+                 load: Callable[[Any], Any]) -> Any:
+    """The selected run's `wanted` table (cached under that name) while its tab is shown;
+    no update otherwise."""
+    _only_on(tab, wanted)
+    if not run:
+        raise dash.exceptions.PreventUpdate
+    return project.run(run).cached(wanted, load)
+
+
 def _register_notes(app: dash.Dash, project: ProjectData) -> None:
     @app.callback(Output("notes", "children"), Input("tabs", "value"), Input("run", "value"),
                   Input("version-slow", "data"))
     @guard(lambda msg: error_box(msg))
     def _notes(tab: str, run: str | None, _v: Any) -> Any:
-        _only_on(tab, "notes")
-        if not run:
-            raise dash.exceptions.PreventUpdate
-        notes = project.run(run).cached("notes", lambda r: r.notes())
+        notes = _shown_frame(project, tab, "notes", run, lambda r: r.notes())
         if notes.empty:
             return html.P(f"No notes in {run} (scope.note(text) adds one).", className="hint")
         return _list_table(["time", "step", "note"], [
@@ -156,10 +164,7 @@ def _register_notes(app: dash.Dash, project: ProjectData) -> None:
                   Input("run", "value"), Input("version-slow", "data"))
     @guard(lambda msg: error_box(msg))
     def _anomalies(tab: str, run: str | None, _v: Any) -> Any:
-        _only_on(tab, "anomalies")
-        if not run:
-            raise dash.exceptions.PreventUpdate
-        found = project.run(run).cached("anomalies", lambda r: r.anomalies())
+        found = _shown_frame(project, tab, "anomalies", run, lambda r: r.anomalies())
         if found.empty:
             return html.P(f"No anomalies recorded in {run}.", className="hint")
         cols = ["step", "tensor", "detector", "value", "threshold", "message"]
