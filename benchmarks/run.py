@@ -7,9 +7,12 @@ The full run creates `.venv-peers` (torch 2.13.0, comgra 0.11.5, Cockpit 1.0.2, 
 1.7.1) once. Every measurement is a fresh process running `workload.py` with one torch
 thread; in each repeat the configurations of a group are measured back to back (order
 reversed on odd repeats), so plain training is measured in the same run, next to what is
-compared with it. A configuration that fails is recorded as "error: <one line>" and the run
-goes on. `--quick` takes a few steps, one repeat, shares one process per environment (so its
-times and memory mean nothing) and skips the peers when `.venv-peers` is missing.
+compared with it. In a paired group each configuration also takes turns with plain training
+inside its process, and its ratio is against that plain step: the plain step moves by ~10%
+from one process to the next, more than the smallest targets allow. A configuration that
+fails is recorded as "error: <one line>" and the run goes on. `--quick` takes a few steps,
+one repeat, shares one process per environment (so its times and memory mean nothing) and
+skips the peers when `.venv-peers` is missing.
 """
 
 from __future__ import annotations
@@ -93,6 +96,10 @@ class Group:
     entries: tuple[Entry, ...]
     note: str = ""
     min_repeats: int = 0  # small ratios need more repeats to beat process-to-process noise
+    # each configuration takes turns with plain training in its process (workload --paired):
+    # for tools that do all their work on the training thread (a background writer would
+    # still be busy during plain training's turns and make the tool look cheaper)
+    paired: bool = False
 
 
 def ratio_target(limit: float) -> Target:
@@ -117,6 +124,9 @@ def _instrument_entries(model: str, limits: dict[str, float], vs_cockpit: float 
 
 
 PLAIN = "plain training"
+PAIRED_NOTE = ("Each configuration takes turns with plain training (10 steps each) in its own "
+               "process, on a copy of the model sharing its parameters; × plain is against "
+               "that plain step.")
 RECORDER = "deepscope recorder (activations + gradients + 5 samples)"
 GROUPS: tuple[Group, ...] = (
     Group("mlp-recorder", "Recorder — MLP 784-256-256-10, batch 128, SGD", (
@@ -150,9 +160,9 @@ GROUPS: tuple[Group, ...] = (
               "deepscope:mlp:trace"),
     ), note="The recorder set-up above (activation hooks, `rec.tensor`, `rec.loss`, anomalies "
        "off) on steps the schedule does not choose; only step 0, a warm-up step, is recorded. "
-       "The health-check rows record nothing and run only the anomaly monitor. At least 9 "
-       "repeats: the plain step itself varies by ~10% from one process to the next.",
-       min_repeats=9),
+       "The health-check rows record nothing and run only the anomaly monitor. " + PAIRED_NOTE
+       + " (From one process to the next the plain step itself varies by ~10%.) At least 9 "
+       "repeats.", min_repeats=9, paired=True),
     Group("mlp-instruments", "Instruments — MLP 784-256-256-10, batch 128, every step", (
         Entry(PLAIN, "plain:mlp:train"),
         Entry("deepscope first-order tests + α", "deepscope:mlp:tests-alpha",
@@ -163,12 +173,12 @@ GROUPS: tuple[Group, ...] = (
        "`instruments=[\"NormTest\", \"InnerTest\", \"OrthoTest\", \"Alpha\"]`. "
        "Cockpit 1.0.2 as in its seed: "
        "BackPACK-extended model and loss, `configuration(level)` every step, the info dict, "
-       "`backward(create_graph=cockpit.create_graph(step))`."),
+       "`backward(create_graph=cockpit.create_graph(step))`. " + PAIRED_NOTE, paired=True),
     Group("linear-instruments", "Instruments — linear 784-10 (the Cockpit seed), batch 128, "
           "every step", (
               Entry(PLAIN, "plain:linear:train"),
               *_instrument_entries("linear", {"economy": 3}, None),
-          )),
+          ), note=PAIRED_NOTE, paired=True),
     Group("transformer", "Transformer block — Embedding + LayerNorm + attention + GELU, "
           "batch 32 × 32 tokens", (
               Entry(PLAIN, "plain:transformer:train"),
@@ -237,12 +247,13 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def run_worker(python: Path, specs: list[str], settings: Settings) -> list[dict[str, Any]]:
+def run_worker(python: Path, specs: list[str], settings: Settings, paired: bool = False
+               ) -> list[dict[str, Any]]:
     """Run `workload.py` once for `specs`; one record per spec."""
     with tempfile.TemporaryDirectory(prefix="deepscope-bench-") as workdir:
         cmd = [str(python), str(WORKLOAD), "--steps", str(settings.steps), "--warmup",
                str(settings.warmup), "--max-seconds", str(settings.max_seconds), "--dir",
-               workdir, *specs]
+               workdir, *(["--paired"] if paired else []), *specs]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, env=worker_env(),
                                   timeout=settings.timeout_s, check=False)
@@ -276,38 +287,43 @@ def measure_full(groups: Iterable[Group], settings: Settings, pythons: dict[str,
                 runs = records[entry.spec]
                 if runs and "error" in runs[0]:
                     continue  # failed once: the failure is deterministic, do not repeat it
-                runs.append(measure_one(entry, settings, pythons))
+                runs.append(measure_one(entry, settings, pythons,
+                                        group.paired and entry is not group.entries[0]))
                 print(f"{group.name} [{r + 1}/{repeats}] {entry.label}: "
                       f"{describe(runs[-1], entry.stat)}", file=sys.stderr, flush=True)
         out[group.name] = records
     return out
 
 
-def measure_one(entry: Entry, settings: Settings, pythons: dict[str, Path | str]
-                ) -> dict[str, Any]:
+def measure_one(entry: Entry, settings: Settings, pythons: dict[str, Path | str],
+                paired: bool) -> dict[str, Any]:
     python = pythons[entry.tool]
     if isinstance(python, str):  # why this tool's environment is unavailable
         return {"spec": entry.spec, "error": python}
-    return run_worker(python, [entry.spec], settings)[0]
+    return run_worker(python, [entry.spec], settings, paired)[0]
 
 
 def measure_quick(groups: Iterable[Group], settings: Settings,
                   pythons: dict[str, Path | str]) -> dict[str, Records]:
     """Every spec once; one process per environment, the environments side by side."""
     groups = list(groups)
-    by_python: dict[Path, list[str]] = {}
-    found: dict[str, dict[str, Any]] = {}
-    for entry in (e for g in groups for e in g.entries):
+    batches: dict[tuple[Path, bool], list[str]] = {}  # (python, paired) -> specs
+    found: dict[tuple[str, bool], dict[str, Any]] = {}
+    keys = {g.name: [(e.spec, g.paired and i > 0) for i, e in enumerate(g.entries)]
+            for g in groups}
+    for entry, key in ((e, k) for g in groups for e, k in zip(g.entries, keys[g.name])):
         python = pythons[entry.tool]
         if isinstance(python, str):
-            found[entry.spec] = {"spec": entry.spec, "error": python}
-        elif entry.spec not in by_python.setdefault(python, []):
-            by_python[python].append(entry.spec)
-    with ThreadPoolExecutor(max_workers=max(1, len(by_python))) as pool:
-        jobs = [pool.submit(run_worker, py, specs, settings) for py, specs in by_python.items()]
-        for job in jobs:
-            found.update((rec["spec"], rec) for rec in job.result())
-    return {g.name: {e.spec: [found[e.spec]] for e in g.entries} for g in groups}
+            found[key] = {"spec": entry.spec, "error": python}
+        elif entry.spec not in batches.setdefault((python, key[1]), []):
+            batches[(python, key[1])].append(entry.spec)
+    with ThreadPoolExecutor(max_workers=max(1, len(batches))) as pool:
+        jobs = [(paired, pool.submit(run_worker, py, specs, settings, paired))
+                for (py, paired), specs in batches.items()]
+        for paired, job in jobs:
+            found.update(((rec["spec"], paired), rec) for rec in job.result())
+    return {g.name: {spec: [found[(spec, paired)]] for spec, paired in keys[g.name]}
+            for g in groups}
 
 
 def describe(record: dict[str, Any], stat: str) -> str:
@@ -333,38 +349,53 @@ def summarize(group: Group, records: Records) -> list[dict[str, Any]]:
             row["status"] = reason if reason.startswith("skipped") else f"error: {reason}"
             continue
         key = f"ms_{entry.stat}"
-        ratios = [r[key] / p[key] for r, p in zip(runs, plain_runs)
-                  if "error" not in r and "error" not in p]
+        ratios = []
+        for r, p in zip(runs, plain_runs):
+            # a paired record carries the plain step measured beside it
+            base = r.get(f"plain_{key}") or p.get(key)
+            if "error" not in r and base:
+                ratios.append(r[key] / base)
         per_step = [r["bytes"] / r["stored_steps"] for r in ok if r["stored_steps"]]
         row.update(
             status="ok", ms=statistics.median(r[key] for r in ok),
             ratio=statistics.median(ratios) if ratios else None,
+            ratio_range=[min(ratios), max(ratios)] if ratios else None,
             peak_rss_mb=max(r["peak_rss_mb"] for r in ok),
             bytes_per_step=statistics.median(per_step) if per_step else None,
             stored_steps=ok[0]["stored_steps"], close_s=statistics.median(r["close_s"] for r in ok),
             steps=ok[0]["steps"], warmup=ok[0]["warmup"], versions=ok[0]["versions"],
-            repeats=[{k: r.get(k) for k in ("ms_median", "ms_mean", "peak_rss_mb", "bytes",
+            repeats=[{k: r.get(k) for k in ("ms_median", "ms_mean", "plain_ms_median",
+                                            "plain_ms_mean", "peak_rss_mb", "bytes",
                                             "stored_steps", "close_s", "error")} for r in runs])
-    plain = rows[group.entries[0].label]
     for entry in group.entries:
         row = rows[entry.label]
         peer = rows.get(entry.peer) if entry.peer else None
         if row["status"] == "ok" and peer is not None and peer["status"] == "ok":
-            row.update(peer_comparison(row, peer, plain))
-        row["targets"] = [{"target": t.label, "metric": t.metric, "value": row.get(t.metric),
-                           "ok": t.check(row.get(t.metric))} for t in entry.targets]
+            row.update(peer_comparison(row, peer))
+        row["targets"] = [target_result(t, row) for t in entry.targets]
     return list(rows.values())
 
 
-def peer_comparison(row: dict[str, Any], peer: dict[str, Any], plain: dict[str, Any]
-                    ) -> dict[str, float | None]:
+def target_result(target: Target, row: dict[str, Any]) -> dict[str, Any]:
+    """A target's verdict on the median, and for ratios whether the repeats agree: on this
+    noisy machine a median near the limit can fall either side of it from run to run."""
+    out = {"target": target.label, "metric": target.metric, "value": row.get(target.metric),
+           "ok": target.check(row.get(target.metric))}
+    spread = row.get("ratio_range") if target.metric == "ratio" else None
+    if spread is not None and out["ok"] is not None:
+        out["repeats_agree"] = {target.check(v) for v in spread} == {out["ok"]}
+    return out
+
+
+def peer_comparison(row: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None]:
     """speedup: the peer's ms/step over ours; overhead_speedup: the time the peer adds to a
     plain step over the time deepscope adds (per recorded step); bytes_fraction: our bytes
     per recorded step over the peer's."""
     out: dict[str, float | None] = {"speedup": peer["ms"] / row["ms"],
                                     "overhead_speedup": None, "bytes_fraction": None}
-    if plain["status"] == "ok":
-        ours, theirs = row["ms"] - plain["ms"], peer["ms"] - plain["ms"]
+    if row.get("ratio") is not None and peer.get("ratio") is not None:
+        # in plain steps: each tool's own ratio, paired or not
+        ours, theirs = row["ratio"] - 1, peer["ratio"] - 1
         out["overhead_speedup"] = theirs / ours if ours > 0 else float("inf")
     if row.get("bytes_per_step") and peer.get("bytes_per_step"):
         out["bytes_fraction"] = row["bytes_per_step"] / peer["bytes_per_step"]
@@ -406,8 +437,19 @@ def fmt_bytes(value: float | None) -> str:
     return "—" if value is None else f"{value / 1000:,.1f} kB"
 
 
-def verdict(ok: bool | None) -> str:
-    return {True: "✓", False: "✗ (missed)", None: "n/a"}[ok]
+def verdict(ok: bool | None, repeats_agree: bool = True) -> str:
+    shown = {True: "✓", False: "✗ (missed)", None: "n/a"}[ok]
+    if not repeats_agree:
+        shown += " — not in every repeat" if ok else " — met in some repeats"
+    return shown
+
+
+def fmt_ratio(row: dict[str, Any]) -> str:
+    """The median ratio, with the lowest and highest repeat when there are several."""
+    spread = row.get("ratio_range")
+    if row.get("ratio") is None or spread is None or spread[0] == spread[1]:
+        return fmt(row.get("ratio"))  # one repeat, or plain training itself
+    return f"{fmt(row['ratio'])} ({fmt(spread[0])}–{fmt(spread[1])})"
 
 
 def render_markdown(results: dict[str, Any]) -> str:
@@ -436,7 +478,9 @@ def render_markdown(results: dict[str, Any]) -> str:
         "",
         "ms/step: median over the timed steps (mean for schedules that record only some "
         "steps), median over repeats. × plain: median over repeats of the ratio to plain "
-        "training measured back to back in the same repeat. Close: seconds to close the "
+        "training measured back to back in the same repeat, in brackets the lowest and "
+        "highest repeat; a target's verdict is the median's, and says so when some repeat "
+        "falls on the other side of the limit. Close: seconds to close the "
         "tool's store after the last step (queued writes). Peak RSS: the process's maximum "
         "resident memory. Bytes: store size on disk over the steps that stored something "
         "(Cockpit keeps its values in memory; its bytes are the JSON `cockpit.write` makes at "
@@ -455,8 +499,10 @@ def render_markdown(results: dict[str, Any]) -> str:
                          fmt_bytes(value) if t["metric"] == "bytes_per_step" else fmt(value))
                 if row["status"] != "ok":
                     shown = "not measured"
+                elif t["metric"] == "ratio":
+                    shown = fmt_ratio(row)
                 lines.append(f"| {group['name']} | {row['label']} | {t['target']} | {shown} | "
-                             f"{verdict(t['ok'])} |")
+                             f"{verdict(t['ok'], t.get('repeats_agree', True))} |")
     for group in results["groups"]:
         lines += ["", f"## {group['title']}", ""]
         measured = group.get("measured", {})
@@ -474,7 +520,7 @@ def render_markdown(results: dict[str, Any]) -> str:
             stat = " (mean)" if row["stat"] == "mean" else ""
             vs = (f"{fmt(row['speedup'], 1)}× ({fmt(row['overhead_speedup'], 1)}×) vs "
                   f"{row['peer']}" if row.get("speedup") is not None else "")
-            lines.append(f"| {row['label']} | {fmt(row['ms'])}{stat} | {fmt(row['ratio'])} | "
+            lines.append(f"| {row['label']} | {fmt(row['ms'])}{stat} | {fmt_ratio(row)} | "
                          f"{row['steps']} | {fmt(row['close_s'])} s | "
                          f"{fmt(row['peak_rss_mb'], 0)} MB | "
                          f"{fmt_bytes(row['bytes_per_step'])} | {vs} | "

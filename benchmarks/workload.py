@@ -4,9 +4,10 @@ Usage (one spec per process is what `run.py` does; several specs share one proce
 `run.py --quick`)::
 
     python benchmarks/workload.py --steps 60 --warmup 10 --max-seconds 10 --dir /tmp/bench \
-        TOOL:MODEL:MODE ...
+        [--paired] TOOL:MODEL:MODE ...
 
-A slow tool stops early: after --max-seconds of timed steps (at least 3). TOOL is
+A slow tool stops early: after --max-seconds of timed steps (at least 3). With --paired,
+plain training takes turns with each spec in the same process (see `measure`). TOOL is
 plain, deepscope, comgra or cockpit; MODEL is linear, mlp or transformer; MODE says what the
 tool records (see `MODES`). Each spec prints one JSON object on its own line: median and mean
 milliseconds per timed step, peak RSS, bytes on disk and stored steps, or
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import importlib.metadata
 import json
 import resource
@@ -314,50 +316,97 @@ def versions(tool: str) -> dict[str, str]:
 
 
 MIN_TIMED_STEPS = 3
+PAIRED_BLOCK = 10  # steps per turn when a tool alternates with plain training
 
 
-def measure(spec: str, steps: int, warmup: int, max_seconds: float, root: Path
-            ) -> dict[str, object]:
+def _sharing_parameters(model: nn.Module) -> nn.Module:
+    """A copy of `model` (no hooks yet) whose parameters are `model`'s own tensors."""
+    twin = copy.deepcopy(model)
+    for name, param in model.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        setattr(twin.get_submodule(owner), leaf, param)
+    return twin
+
+
+class _Trainer:
+    """One tool training its own copy of a benchmark model (same initial weights and
+    batches for every tool), one step at a time."""
+
+    def __init__(self, spec: str, root: Path, model: nn.Module) -> None:
+        tool, model_name, mode = parse_spec(spec)
+        self.tool = tool
+        self.batches = make_batches(model_name)
+        workdir = root / f"{tool}-{model_name}-{mode}"
+        shutil.rmtree(workdir, ignore_errors=True)
+        self.setup = SETUPS[tool](model, mode, workdir)
+        self.done = 0
+        self.times: list[float] = []
+
+    def step(self, timed: bool) -> None:
+        x, y = self.batches[self.done % len(self.batches)]
+        x, y = x.clone(), y.clone()  # fresh tensors: comgra sets requires_grad on inputs
+        start = time.perf_counter()
+        self.setup.step(self.done, x, y)
+        elapsed = time.perf_counter() - start
+        self.done += 1
+        if timed:
+            self.times.append(elapsed)
+
+    def milliseconds(self) -> dict[str, float]:
+        return {"ms_median": 1e3 * statistics.median(self.times),
+                "ms_mean": 1e3 * statistics.fmean(self.times)}
+
+
+def measure(spec: str, steps: int, warmup: int, max_seconds: float, root: Path,
+            paired: bool = False) -> dict[str, object]:
     """Run one spec: `warmup` untimed steps, then `steps` timed steps; return its record.
 
     Slow tools stop early: warm-up after max_seconds / 4 (at least one step), timing after
     max_seconds (at least `MIN_TIMED_STEPS` steps). The record says how many steps ran.
+    paired: plain training takes turns with the tool every `PAIRED_BLOCK` steps, in this
+    process, on a copy of the model that shares its parameter tensors (the tool's hooks are
+    not on it); its times come as plain_ms_median/_mean. A ratio of the two is free of the
+    ~10% by which a plain step varies from one process (and memory layout) to the next.
     """
-    tool, model_name, mode = parse_spec(spec)
+    model_name = parse_spec(spec)[1]
     torch.manual_seed(0)
     model = build_model(model_name)
-    batches = make_batches(model_name)
-    workdir = root / f"{tool}-{model_name}-{mode}"
-    shutil.rmtree(workdir, ignore_errors=True)
-    setup = SETUPS[tool](model, mode, workdir)
-    times: list[float] = []
-    done = 0
-
-    def run_step() -> float:
-        nonlocal done
-        x, y = batches[done % len(batches)]
-        x, y = x.clone(), y.clone()  # fresh tensors: comgra sets requires_grad on inputs
-        start = time.perf_counter()
-        setup.step(done, x, y)
-        done += 1
-        return time.perf_counter() - start
+    # the same parameter tensors: where a model's memory lands alone moves a step by ~10%
+    twin = _sharing_parameters(model) if paired else None
+    trainer = _Trainer(spec, root, model)
+    trainers = [trainer]
+    if twin is not None:
+        plain = _Trainer(f"plain:{model_name}:train", root, twin)
+        trainers.append(plain)
+    def more() -> bool:
+        return len(trainer.times) < steps and (len(trainer.times) < MIN_TIMED_STEPS
+                                               or time.perf_counter() - begin < max_seconds)
 
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON lines
         begin = time.perf_counter()
-        while done < warmup and (done == 0 or time.perf_counter() - begin < max_seconds / 4):
-            run_step()
-        warmed, begin = done, time.perf_counter()
-        while len(times) < steps and (len(times) < MIN_TIMED_STEPS
-                                      or time.perf_counter() - begin < max_seconds):
-            times.append(run_step())
+        while trainer.done < warmup and (trainer.done == 0
+                                         or time.perf_counter() - begin < max_seconds / 4):
+            for t in trainers:
+                t.step(timed=False)
+        warmed, begin = trainer.done, time.perf_counter()
+        while more():
+            for t in trainers:  # who goes first alternates: neither always follows the other
+                for _ in range(PAIRED_BLOCK if paired else 1):
+                    if t is trainer and not more():
+                        break
+                    t.step(timed=True)
+            trainers.reverse()
         start = time.perf_counter()
-        size, stored = setup.finish(done)
+        size, stored = trainer.setup.finish(trainer.done)
         close_s = time.perf_counter() - start
-    return {"spec": spec, "ms_median": 1e3 * statistics.median(times),
-            "ms_mean": 1e3 * statistics.fmean(times), "steps": len(times), "warmup": warmed,
-            "close_s": close_s, "bytes": size, "stored_steps": stored,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "versions": versions(tool)}
+    record: dict[str, object] = {"spec": spec, **trainer.milliseconds(),
+                                 "steps": len(trainer.times), "warmup": warmed}
+    if paired:
+        record.update({f"plain_{k}": v for k, v in plain.milliseconds().items()})
+    record.update({"close_s": close_s, "bytes": size, "stored_steps": stored,
+                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                   "versions": versions(trainer.tool)})
+    return record
 
 
 def one_line(exc: BaseException) -> str:
@@ -376,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=10,
                         help="stop timing after this long (at least 3 timed steps)")
     parser.add_argument("--dir", type=Path, required=True, help="folder for the stores")
+    parser.add_argument("--paired", action="store_true",
+                        help="plain training takes turns with each spec in the same process "
+                             f"({PAIRED_BLOCK} steps each)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
@@ -383,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_interop_threads(1)
     for spec in args.specs:
         try:
-            record = measure(spec, args.steps, args.warmup, args.max_seconds, args.dir)
+            record = measure(spec, args.steps, args.warmup, args.max_seconds, args.dir,
+                             args.paired)
         except Exception as exc:  # noqa: BLE001 - reported as one line, the next spec runs
             record = {"spec": spec, "error": one_line(exc)}
         print(json.dumps(record), flush=True)

@@ -50,6 +50,8 @@ def test_quick_benchmark_writes_well_formed_results(tmp_path: Path) -> None:
                 continue
             assert row["ms"] > 0 and row["ratio"] > 0 and row["peak_rss_mb"] > 0
             assert len(row["repeats"]) == 1
+            paired = spec_group.paired and row is not rows[0]
+            assert (row["repeats"][0]["plain_ms_median"] is not None) == paired, row
             assert row["bytes_per_step"] is None or row["bytes_per_step"] > 0
             for target in row["targets"]:
                 assert target["ok"] in (True, False, None)
@@ -81,3 +83,33 @@ def test_an_only_run_keeps_the_other_groups_of_the_stored_results(tmp_path: Path
     assert [g["name"] for g in bench.merge_previous(results("day 2", [second]), stored)
             ["groups"]] == [second]
     assert bench.merge_previous(results("day 2", [second]), tmp_path / "missing.json")
+
+
+def test_paired_ratios_are_against_their_own_plain_step_and_show_their_spread() -> None:
+    bench = load_run_module()
+    group = next(g for g in bench.GROUPS if g.paired)
+    plain, tool = group.entries[0], next(e for e in group.entries if e.targets)
+    limit = next(t.limit for t in tool.targets if t.metric == "ratio")
+
+    def record(spec: str, ms: float, plain_ms: float | None = None) -> dict:
+        out = {"spec": spec, "ms_median": ms, "ms_mean": ms, "steps": 60, "warmup": 10,
+               "close_s": 0.0, "bytes": 0, "stored_steps": 0, "peak_rss_mb": 1.0,
+               "versions": {}}
+        if plain_ms is not None:
+            out.update(plain_ms_median=plain_ms, plain_ms_mean=plain_ms)
+        return out
+
+    # the separately measured plain step (5 ms) is ignored: each record has its own
+    tool_ms = [2.0 * limit * 0.9, 2.0 * limit * 0.95, 2.0 * limit * 1.2]
+    records = {e.spec: [record(e.spec, 5.0)] * 3 for e in group.entries}
+    records[plain.spec] = [record(plain.spec, 5.0)] * 3
+    records[tool.spec] = [record(tool.spec, ms, 2.0) for ms in tool_ms]
+    row = next(r for r in bench.summarize(group, records) if r["spec"] == tool.spec)
+    assert row["ratio"] == limit * 0.95
+    assert row["ratio_range"] == [limit * 0.9, limit * 1.2]
+    target = next(t for t in row["targets"] if t["metric"] == "ratio")
+    assert target["ok"] is True and target["repeats_agree"] is False
+    assert bench.verdict(target["ok"], target["repeats_agree"]) == "✓ — not in every repeat"
+    assert bench.verdict(False, False) == "✗ (missed) — met in some repeats"
+    assert bench.fmt_ratio(row) == (f"{limit * 0.95:.2f} ({limit * 0.9:.2f}–"
+                                    f"{limit * 1.2:.2f})")
