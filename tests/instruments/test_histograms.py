@@ -297,3 +297,21 @@ def test_classify_near_edges_matches_bucketize() -> None:
             finite = x.isfinite()
             inside = finite & (want >= 0) & (want < bins.count)
             assert torch.equal(axis.classify(x)[inside], want[inside]), bins
+
+
+def test_numpy_and_torch_guesses_agree() -> None:
+    """The CPU classes values with NumPy, other devices with torch: the same first guess and
+    the same unsure values, so the torch path (untested here without a GPU) stays exact."""
+    for bins in [*BIN_CASES, Bins(40, -1.0, 1.0), Bins(3, -1e-30, 1e-30)]:
+        for dtype in (torch.float32, torch.float64):
+            axis = H._axis(bins, dtype, torch.device("cpu"))
+            e = axis.edges
+            x = torch.cat([e, torch.nextafter(e, e + 1), torch.nextafter(e, e - 1),
+                           torch.randn(2000, dtype=dtype) * (bins.hi - bins.lo) + bins.lo,
+                           torch.tensor([0.0, -0.0, 1e30, -1e30, 3e38, math.nan, math.inf,
+                                         -math.inf], dtype=dtype)])
+            index_np, unsure_np = axis._guess_numpy(x)
+            index_t, unsure_t = axis._guess_torch(x)
+            assert torch.equal(unsure_np, unsure_t), bins
+            assert bool(unsure_np[-3:].all())  # NaN, ±Inf: always classed exactly
+            assert torch.equal(index_np[~unsure_np], index_t[~unsure_t]), bins

@@ -215,6 +215,20 @@ class _Axis:
         of an integer (an edge) or is not finite; only those values are compared with the
         edges themselves (searching is several times slower than this arithmetic on CPU).
         """
+        # NumPy on the CPU: torch's comparisons and casts there are several times slower
+        numpy = x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+        guess = self._guess_numpy if numpy else self._guess_torch
+        index, unsure = guess(x)
+        if self.margin >= 0.25:
+            unsure = torch.ones_like(unsure)
+        if bool(unsure.any()):
+            where = unsure.nonzero().squeeze(1)
+            index[where] = self._classify_exactly(x.index_select(0, where))
+        return index
+
+    def _guess_torch(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The class from the position (x − lo)·count/(hi − lo) (int64), and where that
+        guess is unsure: within the margin of an edge, or not finite."""
         n, lo = self.bins.count, self.bins.lo
         position = (x - lo).mul_(n / (self.bins.hi - lo))
         index = position.floor()
@@ -225,13 +239,24 @@ class _Axis:
         # int64 temporaries of this size cost more than the arithmetic
         index = index.clamp_(-1, n)
         index = index.masked_fill_(index == n, n + _OVER).masked_fill_(index < 0, n + _UNDER)
-        index = index.long()
-        if self.margin >= 0.25:
-            unsure = torch.ones_like(unsure)
-        if bool(unsure.any()):
-            where = unsure.nonzero().squeeze(1)
-            index[where] = self._classify_exactly(x.index_select(0, where))
-        return index
+        return index.long(), unsure
+
+    def _guess_numpy(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """`_guess_torch` of a CPU tensor in NumPy: the same float operations in x's dtype."""
+        n, lo, values = self.bins.count, self.bins.lo, x.detach().numpy()
+        # non-finite values (and overflows) turn the fraction NaN, which compares False:
+        # unsure, as in the torch guess
+        with np.errstate(all="ignore"):
+            position = np.subtract(values, values.dtype.type(lo))
+            position *= values.dtype.type(n / (self.bins.hi - lo))
+            index = np.floor(position)
+            position -= index  # the fraction
+            unsure = ~((position >= self.margin) & (position <= 1 - self.margin))
+            np.clip(index, -1, n, out=index)
+            classes = index.astype(np.int64)
+        classes[classes == n] = n + _OVER
+        classes[classes < 0] = n + _UNDER
+        return torch.from_numpy(classes), torch.from_numpy(unsure)
 
     def _classify_exactly(self, x: Tensor) -> Tensor:
         """`classify` by comparing with the edges, for any values."""
