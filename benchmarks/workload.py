@@ -329,8 +329,8 @@ def _sharing_parameters(model: nn.Module) -> nn.Module:
 
 
 class _Trainer:
-    """One tool training its own copy of a benchmark model (same initial weights and
-    batches for every tool), one step at a time."""
+    """One tool training the benchmark model it is given (built with the same seed and fed
+    the same batches for every tool), one step at a time."""
 
     def __init__(self, spec: str, root: Path, model: nn.Module) -> None:
         tool, model_name, mode = parse_spec(spec)
@@ -375,9 +375,10 @@ def measure(spec: str, steps: int, warmup: int, max_seconds: float, root: Path,
     twin = _sharing_parameters(model) if paired else None
     trainer = _Trainer(spec, root, model)
     trainers = [trainer]
-    if twin is not None:
-        plain = _Trainer(f"plain:{model_name}:train", root, twin)
+    plain = _Trainer(f"plain:{model_name}:train", root, twin) if twin is not None else None
+    if plain is not None:
         trainers.append(plain)
+
     def more() -> bool:
         return len(trainer.times) < steps and (len(trainer.times) < MIN_TIMED_STEPS
                                                or time.perf_counter() - begin < max_seconds)
@@ -401,7 +402,7 @@ def measure(spec: str, steps: int, warmup: int, max_seconds: float, root: Path,
         close_s = time.perf_counter() - start
     record: dict[str, object] = {"spec": spec, **trainer.milliseconds(),
                                  "steps": len(trainer.times), "warmup": warmed}
-    if paired:
+    if plain is not None:
         record.update({f"plain_{k}": v for k, v in plain.milliseconds().items()})
     record.update({"close_s": close_s, "bytes": size, "stored_steps": stored,
                    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
