@@ -101,6 +101,10 @@ class Group:
     # still be busy during plain training's turns and make the tool look cheaper)
     paired: bool = False
 
+    def pairs(self, entry: Entry) -> bool:
+        """Whether `entry` is measured paired: in a paired group, all but plain training."""
+        return self.paired and entry is not self.entries[0]
+
 
 def ratio_target(limit: float) -> Target:
     """ms/step at most `limit` times plain training's."""
@@ -288,7 +292,7 @@ def measure_full(groups: Iterable[Group], settings: Settings, pythons: dict[str,
                 if runs and "error" in runs[0]:
                     continue  # failed once: the failure is deterministic, do not repeat it
                 runs.append(measure_one(entry, settings, pythons,
-                                        group.paired and entry is not group.entries[0]))
+                                        group.pairs(entry)))
                 print(f"{group.name} [{r + 1}/{repeats}] {entry.label}: "
                       f"{describe(runs[-1], entry.stat)}", file=sys.stderr, flush=True)
         out[group.name] = records
@@ -309,7 +313,7 @@ def measure_quick(groups: Iterable[Group], settings: Settings,
     groups = list(groups)
     batches: dict[tuple[Path, bool], list[str]] = {}  # (python, paired) -> specs
     found: dict[tuple[str, bool], dict[str, Any]] = {}
-    keys = {g.name: [(e.spec, g.paired and i > 0) for i, e in enumerate(g.entries)]
+    keys = {g.name: [(e.spec, g.pairs(e)) for e in g.entries]
             for g in groups}
     for entry, key in ((e, k) for g in groups for e, k in zip(g.entries, keys[g.name])):
         python = pythons[entry.tool]
