@@ -581,7 +581,7 @@ def test_cabs_without_optimizer_and_non_sgd_note() -> None:
     (value,) = [v for v in inst.finish() if v.layer == ""]
     assert value.value is None and "optimizer=" in value.meta["reason"]
     run = train(make_case("mlp"), ["CABS"], steps=1, optimizer="adam")
-    assert run.value("CABS", 0).meta["note"] == "CABS assumes plain SGD; value uses lr only"
+    assert run.value("CABS", 0).meta["note"].startswith("CABS assumes plain SGD")
     assert run.value("CABS", 0).meta["optimizer"] == "Adam"
 
 

@@ -87,6 +87,14 @@ def _check_schedule(schedule: object, what: str) -> Schedule:
     return schedule  # type: ignore[return-value]
 
 
+def is_plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` is SGD without momentum, weight decay, dampening or Nesterov in
+    every group (what CABS and EarlyStopping assume; Cockpit's test for them)."""
+    return isinstance(optimizer, torch.optim.SGD) and all(
+        not g.get("momentum") and not g.get("weight_decay") and not g.get("dampening")
+        and not g.get("nesterov") for g in optimizer.param_groups)
+
+
 def _describe(error: BaseException) -> str:
     """'ErrorType: first line of the message', naming the first public error class."""
     kind = next(c.__name__ for c in type(error).__mro__ if not c.__name__.startswith("_"))
@@ -198,6 +206,8 @@ class Instruments:
         hutchinson_samples: Rademacher probes (HVPs) per step for a Hutchinson diagonal.
         lanczos_iter: Lanczos iterations (HVPs) per step for HessMaxEV.
         hist2d_per_layer: also store GradHist2d per parameter tensor (40×50 counts each).
+        hist2d_bins, hist2d_range: GradHist2d bins of the (θ, gᵢ) axes and their (lo, hi)
+            ranges; default 40 on (−1, 1) for θ, 50 on (−2, 2) for gᵢ.
 
     Raises:
         TypeError / ValueError: for bad arguments, in one line naming the fix; an unknown
@@ -219,6 +229,8 @@ class Instruments:
         hutchinson_samples: int = HUTCHINSON_SAMPLES,
         lanczos_iter: int = LANCZOS_ITER,
         hist2d_per_layer: bool = False,
+        hist2d_bins: tuple[int, int] = HIST2D_BINS,
+        hist2d_range: tuple[tuple[float, float], tuple[float, float]] = HIST2D_RANGE,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -245,7 +257,11 @@ class Instruments:
         else:
             raise ValueError(f"hist_range must be (lo, hi) or 'adaptive', got {hist_range!r}")
         self.hist_bins = hist_bins
-        self._hist2d = tuple(Bins(n, *r) for n, r in zip(HIST2D_BINS, HIST2D_RANGE))
+        if len(hist2d_bins) != 2 or len(hist2d_range) != 2:
+            raise ValueError("hist2d_bins and hist2d_range need two entries each (θ, gᵢ), got "
+                             f"{hist2d_bins!r} and {hist2d_range!r}")
+        self._hist2d = tuple(Bins(n, float(lo), float(hi))
+                             for n, (lo, hi) in zip(hist2d_bins, hist2d_range))
         self.hist2d_per_layer = bool(hist2d_per_layer)
         for label, value, least in (("seed", seed, 0), ("lanczos_iter", lanczos_iter, 1),
                                     ("hutchinson_samples", hutchinson_samples, 1)):
@@ -601,6 +617,7 @@ class Instruments:
             value = mean_gsnr(batch.grad_mean, batch.second_moment_sums, B)
         elif name == "EarlyStopping":
             value = early_stopping(batch.grad_mean, batch.second_moment_sums, B)
+            meta = self._sgd_note(name)
         elif name == "CABS":
             value, meta = self._cabs(with_total(batch.sq_norm_sums), N, B)
             if self._loss == 0:
@@ -621,10 +638,23 @@ class Instruments:
             raise ValueError("CABS needs the learning rate: pass optimizer= to the instruments")
         group = self.optimizer.param_groups[0]
         lr = float(group["lr"])
-        meta: dict[str, Any] = {"optimizer": type(self.optimizer).__name__, "lr": lr}
-        if not (isinstance(self.optimizer, torch.optim.SGD) and not group.get("momentum")):
-            meta["note"] = "CABS assumes plain SGD; value uses lr only"
+        meta: dict[str, Any] = {"optimizer": type(self.optimizer).__name__, "lr": lr,
+                                **self._sgd_note("CABS")}
         return cabs(S, N, B, float(self._loss), lr), meta
+
+    def _sgd_note(self, name: str) -> dict[str, str]:
+        """meta["note"] (and one warning) when `name`, which assumes plain SGD, is computed
+        for another optimiser; Cockpit refuses to compute it then."""
+        if self.optimizer is None:
+            return {"note": f"{name} assumes plain SGD; no optimizer was given to check"}
+        if is_plain_sgd(self.optimizer):
+            return {}
+        note = (f"{name} assumes plain SGD (no momentum, weight decay, dampening or Nesterov); "
+                f"the optimizer is {type(self.optimizer).__name__}, so the value is not "
+                "the criterion's")
+        if note not in self._warnings:
+            self._warnings.append(note)
+        return {"note": note}
 
     def _curvature_values(self, name: str) -> list[QuantityValue]:
         if name == "HessMaxEV":

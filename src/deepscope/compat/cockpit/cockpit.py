@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from ...hookstate import hooks_paused
-from ...query import open_run
+from ...instruments.base import TOTAL, QuantityValue
+from ...instruments.suite import is_plain_sgd
 from ...recorder.schedule import never
 from ...recorder.scope import Scope
 from ...recorder.step import StepRecorder
@@ -48,6 +49,7 @@ log = logging.getLogger("deepscope")
 # Cockpit reports these per parameter tensor (a list in `params` order), the rest in total.
 PER_PARAMETER = frozenset({"GradNorm", "Distance", "UpdateSize", "HessTrace"})
 HISTOGRAMS = frozenset({"GradHist1d", "GradHist2d"})
+SGD_ONLY = frozenset({"CABS", "EarlyStopping"})  # Cockpit refuses other optimisers
 LOG_KPIS = ("train_loss", "valid_loss", "test_loss", "train_accuracy", "valid_accuracy",
             "test_accuracy", "learning_rate")
 
@@ -100,6 +102,7 @@ class Cockpit:
         self._names = _parameter_names(self.model, self.params)
         self._scope: Scope | None = None
         self.quantities: list[Quantity] = []
+        self._options: dict[str, Any] = {}  # Instruments settings the quantities ask for
         for q in quantities or []:
             self.add(q)
         self.output: defaultdict[int, dict[str, Any]] = defaultdict(dict)
@@ -111,6 +114,8 @@ class Cockpit:
         self._next_step = 0
         self._busy = False  # our own calls into the scope must not re-trigger our hooks
         self._optimizers: set[int] = set()
+        self._optimizer: torch.optim.Optimizer | None = None  # info["optimizer"] of the step
+        self._updates: dict[int, Any] = {}  # UpdateSize of step t, shown once t + 1 is tracked
         self._warned: set[str] = set()
         self._handles = [self.model.register_forward_pre_hook(self._on_forward)]
 
@@ -126,6 +131,13 @@ class Cockpit:
             quantity = quantity()
         if not isinstance(quantity, Quantity) or type(quantity) is Quantity:
             raise ValueError(f"Added quantities must be instances of Quantity. Got {quantity!r}")
+        options = quantity.instrument_options()
+        for key, value in options.items():
+            if self._options.get(key, value) != value:
+                raise ValueError(f"two {quantity.name} quantities with different bins or range "
+                                 f"({key}: {self._options[key]!r} and {value!r}); deepscope "
+                                 f"stores one {quantity.name} per step: give them the same")
+        self._options.update(options)
         self.quantities.append(quantity)
 
     def create_graph(self, global_step: int) -> bool:
@@ -164,25 +176,25 @@ class Cockpit:
                 self._end_step(type(error))
             raise
         self._exited = True
+        with self._own_calls():
+            self._track(global_step)
 
     def get_output(self) -> defaultdict[int, dict[str, Any]]:
-        """Everything tracked so far, like Cockpit: {global_step: {quantity: value}}.
+        """Everything tracked so far, like Cockpit: {global_step: {quantity: value}},
+        collected from the quantities' `get_output()` and the values `log()` was given.
 
         GradNorm, Distance, UpdateSize and HessTrace are lists in `params` order; the
-        histograms are {"hist": counts, "edges": edges} (2-D: edges per axis, parameter
-        first); the rest are floats. Values `log()` was given are included. A value that
-        could not be computed is left out, as Cockpit does.
+        histograms are {"hist": counts, "edges": edges} (2-D: gradient axis first, as
+        Cockpit's); Alpha is the int -1 where Cockpit returns it; the rest are floats. A
+        value that could not be computed is left out, as Cockpit does.
         """
         collected: dict[int, dict[str, Any]] = {}
-        for step, name, value in self._stored_values():
-            collected.setdefault(step, {})[name] = value
+        for q in self.quantities:
+            for step, value in q.get_output().items():
+                collected.setdefault(step, {})[q.name] = value
         for step, logged in self.output.items():
             collected.setdefault(step, {}).update(logged)
-        output = defaultdict(dict, sorted(collected.items()))  # steps ascending
-        for q in self.quantities:
-            q.output = {step: values[q.name] for step, values in output.items()
-                        if q.name in values}
-        return output
+        return defaultdict(dict, sorted(collected.items()))  # steps ascending
 
     def log(self, global_step: int, epoch_count: int, train_loss: float, valid_loss: float,
             test_loss: float, train_accuracy: float, valid_accuracy: float,
@@ -238,16 +250,19 @@ class Cockpit:
 
     def _ensure_scope(self) -> Scope:
         if self._scope is None:
-            names = sorted({q.name for q in self.quantities})
+            instrumented = [q for q in self.quantities if q.instrument]
             schedules: dict[str, list[Callable[[int], bool]]] = {}
-            for q in self.quantities:
+            for q in instrumented:
                 schedules.setdefault(q.name, []).append(q.should_compute)
             self._scope = Scope(
-                self._path, self._run, schedule=never, instruments=names or None,
+                self._path, self._run, schedule=never, instruments=sorted(schedules) or None,
                 instrument_schedule=never, anomalies=False, overwrite=self._overwrite,
                 quantity_schedules={n: _AnyOf(s) for n, s in schedules.items()} or None,
-                seed=self._seed)
+                instrument_options=self._options or None, seed=self._seed)
             self._scope.watch(self.model)
+            instruments = self._scope.instruments
+            if instruments is not None:  # each step's values reach the quantities at once
+                instruments.finish = self._handing_over(instruments.finish)
             log.info("deepscope: Cockpit values are stored in %s", self.run_path)
         return self._scope
 
@@ -299,7 +314,7 @@ class Cockpit:
         return self._open_step(global_step)
 
     def _take_info(self, rec: StepRecorder, info: dict[str, Any]) -> None:
-        optimizer = info.get("optimizer")
+        optimizer = self._optimizer = info.get("optimizer")
         if isinstance(optimizer, torch.optim.Optimizer):
             if id(optimizer) not in self._optimizers:
                 self._optimizers.add(id(optimizer))
@@ -321,29 +336,101 @@ class Cockpit:
             self._warned.add(key)
             warnings.warn(message, stacklevel=4)
 
-    # -- reading back ----------------------------------------------------------------------
-    def _stored_values(self) -> Iterator[tuple[int, str, Any]]:
-        """(step, quantity, value in Cockpit's format) for every stored value."""
-        if self._scope is None:
-            return
-        self._scope.flush()
-        with open_run(self.run_path) as run:
-            table = run.quantities()
-            by_layer = {(s, n, layer): v for s, n, layer, v in
-                        table[["step", "name", "layer", "value"]].itertuples(index=False)}
-            totals = table[table["layer"] == ""]
-            for step, name, value, meta in totals[["step", "name", "value", "meta"]].itertuples(
-                    index=False):
-                step = int(step)
-                if name in HISTOGRAMS:
-                    if "edges" in meta:
-                        yield step, name, _cockpit_histogram(*run.histogram(name, step))
-                elif "reason" not in meta:  # a value that could not be computed is left out
-                    if name in PER_PARAMETER:
-                        yield step, name, [float(by_layer.get((step, name, layer), np.nan))
-                                           for layer in self._names]
-                    else:
-                        yield step, name, float(value)
+    # -- the values, as Cockpit's quantities hold them -----------------------------------------
+    def _track(self, global_step: int) -> None:
+        """What Cockpit does when the context exits: refuse CABS / EarlyStopping for an
+        optimiser other than plain SGD, show the previous step's UpdateSize, take `Time`
+        and `Parameters`."""
+        due = [q for q in self.quantities if q.should_compute(global_step)]
+        refused = sorted({q.name for q in due if q.name in SGD_ONLY})
+        if refused and (self._optimizer is None or not is_plain_sgd(self._optimizer)):
+            self._end_step(ValueError)  # the step is dropped, as after a failed backward
+            got = ("no info['optimizer']" if self._optimizer is None
+                   else type(self._optimizer).__name__)
+            raise ValueError(f"{', '.join(refused)} only supports zero-momentum SGD, as in "
+                             f"Cockpit; got {got}: pass info={{'optimizer': opt, ...}} with "
+                             "torch.optim.SGD without momentum, weight decay or Nesterov, or "
+                             "do not track it")
+        for step in sorted(self._updates):
+            if step < global_step:  # Cockpit shows step t's update when step t + 1 is tracked
+                value = self._updates.pop(step)
+                if step == global_step - 1:
+                    self._deliver(step, "UpdateSize", value)
+        for q in due:
+            if not q.instrument:
+                q.output[global_step] = q._take(self.params)
+
+    def _handing_over(self, finish: Callable[[], list[QuantityValue]]
+                      ) -> Callable[[], list[QuantityValue]]:
+        """`Instruments.finish`, also handing its values to the quantities."""
+        def finish_and_hand_over() -> list[QuantityValue]:
+            values = finish()
+            try:
+                self._take_values(values)
+            except Exception as error:  # the values are still stored in the run
+                self._warn_once("take", f"deepscope: Cockpit values not shown by get_output(): "
+                                        f"{type(error).__name__}: {error}")
+            return values
+        return finish_and_hand_over
+
+    def _take_values(self, values: list[QuantityValue]) -> None:
+        rows: dict[tuple[int, str], dict[str, QuantityValue]] = {}
+        for v in values:
+            rows.setdefault((v.step, v.name), {})[v.layer] = v
+        for (step, name), layers in rows.items():
+            total = layers.get(TOTAL)
+            if total is None or "reason" in total.meta:
+                continue  # a value that could not be computed is left out, as Cockpit does
+            value = self._cockpit_value(name, total, layers)
+            if name == "UpdateSize":
+                self._updates[step] = value
+            else:
+                self._deliver(step, name, value)
+
+    def _cockpit_value(self, name: str, total: QuantityValue,
+                       layers: dict[str, QuantityValue]) -> Any:
+        """One quantity's value at one step in Cockpit's format."""
+        if name in HISTOGRAMS:
+            value = self._cockpit_histogram(name, total)
+            if name == "GradHist2d" and self._options.get("hist2d_per_layer"):
+                value["param_groups"] = len(self._names)
+                for idx, layer in enumerate(self._names):
+                    if layer in layers and layers[layer].array is not None:
+                        value[f"param_{idx}"] = self._cockpit_histogram(name, layers[layer])
+            return value
+        if name in PER_PARAMETER:
+            return [float(layers[n].value) if n in layers and layers[n].value is not None
+                    else np.nan for n in self._names]
+        mu = total.meta.get("mu")
+        if name == "Alpha" and (total.meta.get("tau") == 0 or (mu and mu[2] < 0)):
+            return -1  # Cockpit's int for a concave fit or no step
+        return float(total.value)
+
+    def _cockpit_histogram(self, name: str, value: QuantityValue) -> dict[str, Any]:
+        """Cockpit's {"hist", "edges"}. 1-D: out-of-range and infinite values are counted in
+        the edge bins, as Cockpit clamps them; 2-D: (gradient, parameter) axes."""
+        meta, counts = value.meta, np.array(value.array)
+        if name == "GradHist1d":
+            lo, hi, n = meta["edges"]
+            counts[0] += meta.get("underflow", 0) + meta.get("neginf", 0)
+            counts[-1] += meta.get("overflow", 0) + meta.get("posinf", 0)
+            return {"hist": counts, "edges": np.linspace(lo, hi, int(n) + 1)}
+        outside = sum(meta.get(k, 0) for k in ("underflow", "overflow", "nan", "posinf",
+                                                "neginf", "param_underflow", "param_overflow",
+                                                "param_nonfinite"))
+        if outside:
+            self._warn_once("hist2d", f"deepscope: GradHist2d at step {value.step}: {outside} "
+                                      "(gradient, parameter) pairs outside range= are not "
+                                      "counted (Cockpit counts them in the edge bins); widen "
+                                      "GradHist2d(range=...) to see them")
+        param_axis, grad_axis = (np.linspace(lo, hi, int(n) + 1) for lo, hi, n in meta["edges"])
+        return {"hist": counts.T.copy(), "edges": (grad_axis, param_axis)}
+
+    def _deliver(self, step: int, name: str, value: Any) -> None:
+        """Give `value` to each quantity `name` whose schedule has `step`."""
+        for q in self.quantities:
+            if q.name == name and q.should_compute(step):
+                q.output[step] = value
 
 
 def _owning_model(params: list[torch.Tensor]) -> nn.Module:
@@ -369,16 +456,6 @@ def _parameter_names(model: nn.Module, params: list[torch.Tensor]) -> list[str]:
         warnings.warn("deepscope: Cockpit was given some of the model's trainable parameters; "
                       "whole-model values cover all of them", stacklevel=3)
     return [names[id(p)] for p in params]
-
-
-def _cockpit_histogram(counts: np.ndarray, meta: dict[str, Any]) -> dict[str, Any]:
-    """Cockpit's {"hist", "edges"} from a stored histogram (2-D: parameter axis first)."""
-    edges = meta["edges"]
-    if isinstance(edges[0], list):
-        axes = tuple(np.linspace(lo, hi, int(n) + 1) for lo, hi, n in edges)
-        return {"hist": counts, "edges": axes}
-    lo, hi, n = edges
-    return {"hist": counts, "edges": np.linspace(lo, hi, int(n) + 1)}
 
 
 def _jsonable(value: Any) -> Any:

@@ -26,16 +26,20 @@ class CockpitPlotter:
         self.fig: Figure | None = None
 
     def plot(self, source: Cockpit | str | Path, savedir: str | Path | None = None,
-             show_plot: bool = True, save_plot: bool = False,
+             show_plot: bool = True, save_plot: bool = False, savename: str = "cockpit",
              savename_append: str | None = None, block: bool = False,
              show_log_iter: bool = False, discard: int | None = None,
-             plot_title: str | None = None, debug: bool = False) -> None:
+             plot_title: str | None = None, debug: bool = False,
+             savefig_kwargs: dict[str, Any] | None = None) -> None:
         """Draw the dashboard of `source` as it is now.
 
         Args:
             source: a `Cockpit`, or the path of a deepscope run folder (e.g. its run_path).
-            savedir: with save_plot, the image goes to `<savedir without suffix>__primary
-                <savename_append>.png` (Cockpit's naming). Required for a Cockpit source.
+            savedir: with save_plot, the folder (created if missing) the image goes to, as
+                `savedir/<savename>__primary[__<savename_append>].png` (Cockpit's naming).
+                Required for a Cockpit source; for a run folder it defaults to that folder.
+            savename: the file name's start (default "cockpit").
+            savefig_kwargs: passed to `Figure.savefig`, e.g. {"dpi": 50}.
             show_plot: show in a window when matplotlib has an interactive backend.
             block: wait until the window is closed.
             show_log_iter: symmetric-log step axes.
@@ -67,5 +71,7 @@ class CockpitPlotter:
                 if isinstance(source, Cockpit):
                     raise ValueError("Please specify savedir when plotting a Cockpit.")
                 savedir = source
-            stem = os.path.splitext(str(savedir))[0]
-            self.fig.savefig(f"{stem}__primary{savename_append or ''}.png")
+            append = "" if savename_append is None else f"__{savename_append}"
+            os.makedirs(savedir, exist_ok=True)
+            self.fig.savefig(os.path.join(savedir, f"{savename}__primary{append}.png"),
+                             **(savefig_kwargs or {}))
