@@ -476,3 +476,17 @@ def test_quantities_namespace_time_parameters_and_alpha_type(in_tmp):
                                         else (pytest.approx(stored.loc[s, "value"]), float))
     still, _ = _train([quantities.Alpha()], 2, make_opt=lambda p: torch.optim.SGD(p, lr=0.0))
     assert type(still.get_output()[0]["Alpha"]) is int
+
+
+def test_histogram_option_errors(in_tmp):
+    with pytest.raises(ValueError, match="bins must be >= 1"):
+        quantities.GradHist2d(bins=(0, 5))
+    with pytest.raises(ValueError, match="lo < hi"):
+        quantities.GradHist1d(range=(1, -1))
+    model = extend(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="two GradHist1d quantities with different bins"):
+        Cockpit(model.parameters(), quantities=[quantities.GradHist1d(bins=10),
+                                                quantities.GradHist1d(bins=20)])
+    same = Cockpit(model.parameters(), quantities=[quantities.GradHist1d(bins=10),
+                                                   quantities.GradHist1d(bins=10)])
+    same.close()
