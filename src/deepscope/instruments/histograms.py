@@ -98,21 +98,32 @@ class Histogram:
             param_overflow, param_nonfinite for pairs whose θ is out of range or not
             finite (any gradient). Every element / pair is counted exactly once.
     edges:  [lo, hi, bins] per axis: a flat list (1-D) or one list per axis (2-D).
+    clamped: GradHist2d: {(param bin, grad bin): n}, the pairs outside the ranges that
+            Cockpit would count in that edge bin (out-of-range and infinite values clamped
+            to the nearest bin on each axis, NaN dropped); stored as meta["clamped"].
     """
 
     counts: np.ndarray
     extras: dict[str, int]
     edges: list[Any]
+    clamped: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def __add__(self, other: Histogram) -> Histogram:
         if self.edges != other.edges:
             raise ValueError(f"cannot add histograms with edges {self.edges} and {other.edges}")
         extras = {key: self.extras[key] + other.extras[key] for key in self.extras}
-        return Histogram(self.counts + other.counts, extras, self.edges)
+        clamped = dict(self.clamped)
+        for cell, n in other.clamped.items():
+            clamped[cell] = clamped.get(cell, 0) + n
+        return Histogram(self.counts + other.counts, extras, self.edges, clamped)
 
     def meta(self) -> dict[str, Any]:
-        """JSON-serialisable meta for storage: {"edges": ..., **extras}."""
-        return {"edges": self.edges, **self.extras}
+        """JSON-serialisable meta for storage: {"edges": ..., **extras} (2-D with outside
+        pairs: also "clamped": [[param bin, grad bin, n], ...])."""
+        meta: dict[str, Any] = {"edges": self.edges, **self.extras}
+        if self.clamped:
+            meta["clamped"] = [[j, i, n] for (j, i), n in sorted(self.clamped.items())]
+        return meta
 
 
 @dataclass
@@ -719,7 +730,29 @@ class GradHistogram:
         extras["param_overflow"] = int(outside[_OVER])
         extras["param_nonfinite"] = int(sum(outside[_NAN:]))
         counts = inside[:, :gy].numpy().astype(np.int64)
-        return Histogram(counts, extras, [self.param_bins.spec(), self.bins.spec()])
+        return Histogram(counts, extras, [self.param_bins.spec(), self.bins.spec()],
+                         _clamped(table.numpy(), px, gy))
+
+
+def _clamped(table: np.ndarray, px: int, gy: int) -> dict[tuple[int, int], int]:
+    """The outside pairs of a (px + extras, gy + extras) class table, by the edge bin
+    Cockpit's clamping puts them in (see `Histogram.clamped`)."""
+    def nearest(n: int) -> np.ndarray:  # class -> bin (-1: dropped)
+        to = np.arange(n + len(EXTRAS))
+        to[n + _UNDER] = to[n + _NEGINF] = 0
+        to[n + _OVER] = to[n + _POSINF] = n - 1
+        to[n + _NAN] = -1
+        return to
+
+    rows, cols = np.nonzero(table)
+    outside = (rows >= px) | (cols >= gy)
+    rows, cols = rows[outside], cols[outside]
+    j, i = nearest(px)[rows], nearest(gy)[cols]
+    kept = (j >= 0) & (i >= 0)
+    clamped: dict[tuple[int, int], int] = {}
+    for cell_j, cell_i, n in zip(j[kept], i[kept], table[rows[kept], cols[kept]]):
+        clamped[int(cell_j), int(cell_i)] = clamped.get((int(cell_j), int(cell_i)), 0) + int(n)
+    return clamped
 
 
 def _parts(grads: Part | Iterable[Part]) -> Iterable[Part]:

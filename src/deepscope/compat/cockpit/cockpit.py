@@ -407,22 +407,17 @@ class Cockpit:
         return float(total.value)
 
     def _cockpit_histogram(self, name: str, value: QuantityValue) -> dict[str, Any]:
-        """Cockpit's {"hist", "edges"}. 1-D: out-of-range and infinite values are counted in
-        the edge bins, as Cockpit clamps them; 2-D: (gradient, parameter) axes."""
+        """Cockpit's {"hist", "edges"}: out-of-range and infinite values are counted in the
+        edge bins, as Cockpit clamps them (NaN: not counted); 2-D: (gradient, parameter)
+        axes."""
         meta, counts = value.meta, np.array(value.array)
         if name == "GradHist1d":
             lo, hi, n = meta["edges"]
             counts[0] += meta.get("underflow", 0) + meta.get("neginf", 0)
             counts[-1] += meta.get("overflow", 0) + meta.get("posinf", 0)
             return {"hist": counts, "edges": np.linspace(lo, hi, int(n) + 1)}
-        outside = sum(meta.get(k, 0) for k in ("underflow", "overflow", "nan", "posinf",
-                                                "neginf", "param_underflow", "param_overflow",
-                                                "param_nonfinite"))
-        if outside:
-            self._warn_once("hist2d", f"deepscope: GradHist2d at step {value.step}: {outside} "
-                                      "(gradient, parameter) pairs outside range= are not "
-                                      "counted (Cockpit counts them in the edge bins); widen "
-                                      "GradHist2d(range=...) to see them")
+        for j, i, n in meta.get("clamped", []):  # outside pairs, where Cockpit counts them
+            counts[j, i] += n
         param_axis, grad_axis = (np.linspace(lo, hi, int(n) + 1) for lo, hi, n in meta["edges"])
         return {"hist": counts.T.copy(), "edges": (grad_axis, param_axis)}
 
