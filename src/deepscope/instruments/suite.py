@@ -650,8 +650,8 @@ class Instruments:
         if is_plain_sgd(self.optimizer):
             return {}
         note = (f"{name} assumes plain SGD (no momentum, weight decay, dampening or Nesterov); "
-                f"the optimizer is {type(self.optimizer).__name__}, so the value is not "
-                "the criterion's")
+                f"computed for {type(self.optimizer).__name__} anyway, where the criterion "
+                "does not hold as stated")
         if note not in self._warnings:
             self._warnings.append(note)
         return {"note": note}

@@ -11,6 +11,7 @@ that is longer than its context:
     with cockpit(t, info={...}):     # rec.loss(loss, per_sample=losses), curvature
         loss.backward()
     opt.step()                       # optimizer post-hook: closes step t, values stored
+                                     # and handed to the quantities' get_output()
 
 The step number is predicted (last global_step + 1, starting at 0) because Cockpit gives it
 only after the forward. A wrong prediction costs that step the quantities that need the
@@ -358,7 +359,7 @@ class Cockpit:
                     self._deliver(step, "UpdateSize", value)
         for q in due:
             if not q.instrument:
-                q.output[global_step] = q._take(self.params)
+                q.output[global_step] = q.take(self.params)
 
     def _handing_over(self, finish: Callable[[], list[QuantityValue]]
                       ) -> Callable[[], list[QuantityValue]]:
@@ -391,12 +392,12 @@ class Cockpit:
                        layers: dict[str, QuantityValue]) -> Any:
         """One quantity's value at one step in Cockpit's format."""
         if name in HISTOGRAMS:
-            value = self._cockpit_histogram(name, total)
+            value = _cockpit_histogram(name, total)
             if name == "GradHist2d" and self._options.get("hist2d_per_layer"):
                 value["param_groups"] = len(self._names)
                 for idx, layer in enumerate(self._names):
                     if layer in layers and layers[layer].array is not None:
-                        value[f"param_{idx}"] = self._cockpit_histogram(name, layers[layer])
+                        value[f"param_{idx}"] = _cockpit_histogram(name, layers[layer])
             return value
         if name in PER_PARAMETER:
             return [float(layers[n].value) if n in layers and layers[n].value is not None
@@ -405,21 +406,6 @@ class Cockpit:
         if name == "Alpha" and (total.meta.get("tau") == 0 or (mu and mu[2] < 0)):
             return -1  # Cockpit's int for a concave fit or no step
         return float(total.value)
-
-    def _cockpit_histogram(self, name: str, value: QuantityValue) -> dict[str, Any]:
-        """Cockpit's {"hist", "edges"}: out-of-range and infinite values are counted in the
-        edge bins, as Cockpit clamps them (NaN: not counted); 2-D: (gradient, parameter)
-        axes."""
-        meta, counts = value.meta, np.array(value.array)
-        if name == "GradHist1d":
-            lo, hi, n = meta["edges"]
-            counts[0] += meta.get("underflow", 0) + meta.get("neginf", 0)
-            counts[-1] += meta.get("overflow", 0) + meta.get("posinf", 0)
-            return {"hist": counts, "edges": np.linspace(lo, hi, int(n) + 1)}
-        for j, i, n in meta.get("clamped", []):  # outside pairs, where Cockpit counts them
-            counts[j, i] += n
-        param_axis, grad_axis = (np.linspace(lo, hi, int(n) + 1) for lo, hi, n in meta["edges"])
-        return {"hist": counts.T.copy(), "edges": (grad_axis, param_axis)}
 
     def _deliver(self, step: int, name: str, value: Any) -> None:
         """Give `value` to each quantity `name` whose schedule has `step`."""
@@ -451,6 +437,22 @@ def _parameter_names(model: nn.Module, params: list[torch.Tensor]) -> list[str]:
         warnings.warn("deepscope: Cockpit was given some of the model's trainable parameters; "
                       "whole-model values cover all of them", stacklevel=3)
     return [names[id(p)] for p in params]
+
+
+def _cockpit_histogram(name: str, value: QuantityValue) -> dict[str, Any]:
+    """Cockpit's {"hist", "edges"}: out-of-range and infinite values are counted in the
+    edge bins, as Cockpit clamps them (NaN: not counted); 2-D: (gradient, parameter)
+    axes."""
+    meta, counts = value.meta, np.array(value.array)
+    if name == "GradHist1d":
+        lo, hi, n = meta["edges"]
+        counts[0] += meta.get("underflow", 0) + meta.get("neginf", 0)
+        counts[-1] += meta.get("overflow", 0) + meta.get("posinf", 0)
+        return {"hist": counts, "edges": np.linspace(lo, hi, int(n) + 1)}
+    for j, i, n in meta.get("clamped", []):  # outside pairs, where Cockpit counts them
+        counts[j, i] += n
+    param_axis, grad_axis = (np.linspace(lo, hi, int(n) + 1) for lo, hi, n in meta["edges"])
+    return {"hist": counts.T.copy(), "edges": (grad_axis, param_axis)}
 
 
 def _jsonable(value: Any) -> Any:

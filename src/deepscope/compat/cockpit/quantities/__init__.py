@@ -104,7 +104,8 @@ class Parameters(Quantity):
 
     instrument = False
 
-    def _take(self, params: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    def take(self, params: Sequence[torch.Tensor]) -> list[np.ndarray]:
+        """The value at the current step (called by `Cockpit`)."""
         return [p.detach().cpu().numpy().copy() for p in params]
 
 
@@ -126,7 +127,8 @@ class Time(Quantity):
 
     instrument = False
 
-    def _take(self, params: Sequence[torch.Tensor]) -> float:
+    def take(self, params: Sequence[torch.Tensor]) -> float:
+        """The value at the current step (called by `Cockpit`)."""
         return time.time()
 
 
