@@ -32,11 +32,18 @@ def sidecar_run_id(db: Path) -> str | None:
     return text if _RUN_ID.match(text) else None
 
 
+def parse_run_id(stored: object) -> str | None:
+    """meta's run_id value (JSON text, like every meta value) as a run id, or None."""
+    text = stored.strip('"') if isinstance(stored, str) else ""
+    return text if _RUN_ID.match(text) else None
+
+
 def check_run_id(db: Path, stored: object) -> None:
-    """Refuse a database whose run id differs from its lock file's: the pages SQLite read
-    (typically a `-wal` file copied from another run) belong to another database."""
+    """Refuse a database whose run id (`stored`: meta's value) differs from its lock file's:
+    the pages SQLite read (typically a `-wal` file copied from another run) belong to another
+    database."""
     expected = sidecar_run_id(db)
-    if expected is not None and stored is not None and stored != expected:
+    if expected is not None and stored is not None and parse_run_id(stored) != expected:
         raise CorruptRunError(
             f"{db} reads as another run (run id {str(stored)[:40]!r}, its lock file says "
             f"{expected!r}): a -wal file from another database was probably put beside it; "

@@ -35,7 +35,7 @@ import torch
 from ..errors import RecordingError
 from ..instruments.base import QuantityValue
 from . import arrays, codecs
-from .layout import check_run_id, lock_file, sidecar_run_id
+from .layout import check_run_id, lock_file, parse_run_id, sidecar_run_id
 from .schema import APPLICATION_ID, DDL, SCHEMA_VERSION, STAT_COLUMNS
 
 try:
@@ -206,8 +206,8 @@ class RunDeleted(Exception):
     """The database file was deleted or replaced under the writer."""
 
 
-def stored_run_id(path: Path) -> str | None:
-    """The run id in an existing database's `meta`, read without writing: a read-only
+def stored_run_id(path: Path) -> Any:
+    """The run id in an existing database's `meta` (JSON text), read without writing: a read-only
     connection never checkpoints, so a foreign -wal file is not merged by looking at it."""
     if not path.exists():
         return None
@@ -218,12 +218,7 @@ def stored_run_id(path: Path) -> str | None:
         return None  # no meta yet (or not a store): the writer's own checks say what
     finally:
         con.close()
-    if row is None:
-        return None
-    try:
-        return json.loads(row[0])
-    except (TypeError, ValueError):
-        return row[0]
+    return row and row[0]
 
 
 def connect(path: Path) -> sqlite3.Connection:
@@ -285,7 +280,7 @@ class StoreWriter:
         write; a new one for a new database (or one recorded before run ids existed)."""
         stored = stored_run_id(self.path)
         check_run_id(self.path, stored)
-        run_id = stored or sidecar_run_id(self.path) or uuid.uuid4().hex
+        run_id = parse_run_id(stored) or sidecar_run_id(self.path) or uuid.uuid4().hex
         if sidecar_run_id(self.path) != run_id:
             self._lock.write_run_id(run_id)
         return run_id
@@ -460,12 +455,12 @@ class StoreWriter:
                 time.sleep(delay)
                 delay = min(2 * delay, 0.5)
                 continue
-            if self._busy_since is not None:
+            if self._busy_since is not None and "database locked" in self._reported:
                 log.warning("deepscope: %s is free again after %.1f s; recording resumed "
                             "(%d step(s) skipped)", self.path, now - self._busy_since,
                             self.skipped_steps)
-                self._busy_since = None
                 self._reported.discard("database locked")
+            self._busy_since = None
             return
 
     def _locked_warning(self) -> str:
