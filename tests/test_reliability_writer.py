@@ -441,3 +441,19 @@ def test_float64_beyond_float32_range_is_stored_exactly_without_warnings(tmp_pat
     samples = run.values("x", 0, view="samples")
     assert samples.dtype == np.float64 and np.array_equal(samples, x[:4].numpy())
     assert samples[0, 0] == 0.0 and samples[1, 1] == 1e-300
+
+
+def test_a_complex_parameter_is_skipped_with_a_warning_not_stored_as_its_real_part(
+        tmp_path, caplog):
+    model = torch.nn.Linear(2, 2)
+    model.register_parameter("phase", torch.nn.Parameter(torch.ones(2, dtype=torch.complex64)))
+    with caplog.at_level(logging.WARNING, logger="deepscope"), \
+            deepscope.Scope(tmp_path, "r", schedule=1, anomalies=False) as scope:
+        scope.watch(model)
+        for step in range(2):
+            with scope.step(step):
+                (model(torch.ones(1, 2)).sum() + model.phase.abs().sum()).backward()
+    assert len(warnings_of(caplog, "parameter phase: it is complex")) == 1
+    run = deepscope.open_run(tmp_path / "r")
+    assert run.steps() == [0, 1]
+    assert set(run.stats_wide()["tensor"]) == {"weight", "bias"}

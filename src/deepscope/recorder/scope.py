@@ -309,10 +309,7 @@ class Scope:
         role = "output" if is_root else "activation"
         for suffix, t in named_leaves(output):
             if reason := unrecordable(t):  # e.g. a sparse output: the other outputs go on
-                key = f"activation {path + suffix}: {reason}"
-                if key not in self._reported:
-                    self._reported.add(key)
-                    log.warning("deepscope: %s; it is not recorded", key)
+                self.warn_once(f"activation {path + suffix}: {reason}; it is not recorded")
                 continue
             base = path + suffix
             count = rec._activation_counts.get((base, rec._iteration), 0)
@@ -324,6 +321,12 @@ class Scope:
                        "output")
 
     # --- failures inside recording never stop training -------------------------------------
+    def warn_once(self, message: str) -> None:
+        """Log `deepscope: message` the first time this scope meets it."""
+        if message not in self._reported:
+            self._reported.add(message)
+            log.warning("deepscope: %s", message)
+
     def _guard(self, fn: Callable, *args: Any) -> Any:
         try:
             return fn(*args)

@@ -45,8 +45,8 @@ def check_run_id(db: Path, stored: object) -> None:
     expected = sidecar_run_id(db)
     if expected is not None and stored is not None and parse_run_id(stored) != expected:
         raise CorruptRunError(
-            f"{db} reads as another run (run id {str(stored)[:40]!r}, its lock file says "
-            f"{expected!r}): a -wal file from another database was probably put beside it; "
+            f"{db} reads as another run (its run id is not the one in {lock_file(db).name}): "
+            "a -wal file from another database was probably put beside it; "
             f"remove that -wal file (or, if you copied {db.name} here on purpose, delete "
             f"{lock_file(db).name})")
 
