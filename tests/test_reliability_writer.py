@@ -229,53 +229,52 @@ def test_a_write_failure_of_one_step_skips_that_step_not_the_run(tmp_path, monke
 
 # --- 9. another program holds the database's write lock --------------------------------------
 
-def hold_write_lock(db: Path, seconds: float) -> tuple[threading.Thread, threading.Event]:
-    """Another connection (as another program would) holding the write lock for `seconds`."""
-    held = threading.Event()
+def record_through_a_lock(root: Path, monkeypatch: pytest.MonkeyPatch, wait: float,
+                          held: float) -> tuple[deepscope.Scope, threading.Thread]:
+    """Record steps 0-1, then steps 2-7 while another connection (as another program would)
+    holds the database's write lock for `held` s; the writer waits up to `wait` s."""
+    monkeypatch.setattr(writer_module, "LOCK_WAIT_SECONDS", wait)
+    monkeypatch.setattr(writer_module, "LOCK_PROBE_SECONDS", 0.1)
+    scope = deepscope.Scope(root, "r", schedule=1)
+    record(scope, range(2))
+    scope.flush()
+    locked = threading.Event()
 
     def hold() -> None:
-        con = sqlite3.connect(db, isolation_level=None)
+        con = sqlite3.connect(scope.writer.path, isolation_level=None)
         con.execute("BEGIN IMMEDIATE")
-        held.set()
-        time.sleep(seconds)
+        locked.set()
+        time.sleep(held)
         con.execute("ROLLBACK")
         con.close()
 
     thread = threading.Thread(target=hold)
     thread.start()
-    assert held.wait(30)
-    return thread, held
+    assert locked.wait(30)
+    record(scope, range(2, 8))
+    return scope, thread
 
 
 def test_a_lock_held_for_a_while_is_waited_for(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(writer_module, "LOCK_WAIT_SECONDS", 10.0)
-    with caplog.at_level(logging.WARNING, logger="deepscope"), \
-            deepscope.Scope(tmp_path, "r", schedule=1) as scope:
-        record(scope, range(2))
-        scope.flush()
-        thread, _ = hold_write_lock(scope.writer.path, 1.5)
-        record(scope, range(2, 6))
+    with caplog.at_level(logging.WARNING, logger="deepscope"):
+        scope, thread = record_through_a_lock(tmp_path, monkeypatch, wait=10.0, held=1.5)
         scope.flush()  # returns: every step written once the lock was free
         thread.join()
+        scope.close()
     assert not caplog.records
-    assert deepscope.open_run(tmp_path / "r").steps() == list(range(6))
+    assert deepscope.open_run(tmp_path / "r").steps() == list(range(8))
 
 
 def test_a_lock_held_past_the_limit_skips_steps_then_recording_resumes(tmp_path, monkeypatch,
                                                                       caplog):
-    monkeypatch.setattr(writer_module, "LOCK_WAIT_SECONDS", 0.3)
-    monkeypatch.setattr(writer_module, "LOCK_PROBE_SECONDS", 0.1)
-    with caplog.at_level(logging.WARNING, logger="deepscope"), \
-            deepscope.Scope(tmp_path, "r", schedule=1) as scope:
-        record(scope, range(2))
-        scope.flush()
-        thread, _ = hold_write_lock(scope.writer.path, 2.0)
-        record(scope, range(2, 8))
+    with caplog.at_level(logging.WARNING, logger="deepscope"):
+        scope, thread = record_through_a_lock(tmp_path, monkeypatch, wait=0.3, held=2.0)
         with pytest.raises(deepscope.RecordingError, match="skipped \\(database locked\\)"):
             scope.flush()
         thread.join()
         record(scope, range(8, 10))
         scope.flush()  # free again: written, nothing new lost
+        scope.close()
     assert len(warnings_of(caplog, "held the write lock")) == 1
     assert len(warnings_of(caplog, "free again")) == 1
     assert not scope.writer.failed and scope.writer.skipped_steps >= 1

@@ -151,9 +151,9 @@ class RunLock:
             os.close(self.fd)
             self.fd = None
             raise ValueError(
-                f"{db} is being written by another process (or another Scope here): a run "
-                "and rank has one writer; wait for it to finish, or record into another run "
-                "name or rank") from None
+                f"{db} is being written by another process, or by a Scope of this one not "
+                "closed yet (scope.close()): a run and rank has one writer; wait for it to "
+                "finish, or record into another run name or rank") from None
 
     @staticmethod
     def is_held(db: Path) -> bool:
