@@ -46,6 +46,9 @@ class Scope:
     dynamic / keep_if: steps chosen by `dynamic` but not by `schedule` are recorded
         tentatively and kept if `keep_if(rec)` is true or `rec.keep()` was called.
     overwrite / resume: what to do if the run exists (default: refuse with an error).
+        Each run and rank has one writer (an OS lock, released when its process ends); a
+        second one is refused. resume continues after the last committed step.
+    rank: this process's rank file (default: the torch.distributed rank, else 0).
     on_full: "block" (back-pressure) or "drop" (drop whole steps) when the writer lags.
     exact_views: store per-neuron / per-sample aggregate views as float32 instead of
         bfloat16 (twice the bytes). Statistics and sample values are always exact.
@@ -209,7 +212,8 @@ class Scope:
 
     # --- steps ----------------------------------------------------------------------------
     def step(self, step: int, kind: str = "default") -> StepRecorder:
-        """Open step `step` of kind `kind`; use as `with scope.step(n) as rec:`."""
+        """Open step `step` (0 <= step < 2**63, increasing) of kind `kind`; use as
+        `with scope.step(n) as rec:`."""
         if self.closed:
             raise ValueError("this Scope is closed; create a new Scope (resume=True) to "
                              "record more")
@@ -309,7 +313,7 @@ class Scope:
         role = "output" if is_root else "activation"
         for suffix, t in named_leaves(output):
             if reason := unrecordable(t):  # e.g. a sparse output: the other outputs go on
-                self.warn_once(f"activation {path + suffix}: {reason}; it is not recorded")
+                self._warn_once(f"activation {path + suffix}: {reason}; it is not recorded")
                 continue
             base = path + suffix
             count = rec._activation_counts.get((base, rec._iteration), 0)
@@ -321,7 +325,7 @@ class Scope:
                        "output")
 
     # --- failures inside recording never stop training -------------------------------------
-    def warn_once(self, message: str) -> None:
+    def _warn_once(self, message: str) -> None:
         """Log `deepscope: message` the first time this scope meets it."""
         if message not in self._reported:
             self._reported.add(message)

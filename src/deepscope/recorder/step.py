@@ -300,7 +300,7 @@ class StepRecorder:
         """Called on entry of a recorded step: parameter values and gradient hooks."""
         for name, p in self.scope._params.items():
             if reason := unrecordable(p):
-                self.scope.warn_once(f"parameter {name}: {reason}; it is not recorded")
+                self.scope._warn_once(f"parameter {name}: {reason}; it is not recorded")
                 continue
             node, role_in_node = self.scope._param_nodes[name]
             self._infos[name] = TensorInfo(name, "parameter", node, role_in_node,
