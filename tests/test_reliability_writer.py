@@ -227,6 +227,27 @@ def test_a_write_failure_of_one_step_skips_that_step_not_the_run(tmp_path, monke
     assert list(run.kpis()["step"]) == [0, 1, 2, 3, 4]  # KPIs are their own transactions
 
 
+def test_a_step_whose_summary_fails_is_named_by_flush(tmp_path, monkeypatch, caplog):
+    from deepscope.recorder import step as step_module
+    real = step_module.summarise_captures
+    calls = []
+
+    def once_failing(*args: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("crafted")
+        return real(*args)
+
+    monkeypatch.setattr(step_module, "summarise_captures", once_failing)
+    with caplog.at_level(logging.WARNING, logger="deepscope"), \
+            deepscope.Scope(tmp_path, "r", schedule=1) as scope:
+        record(scope, range(3))
+        with pytest.raises(deepscope.RecordingError, match=r"step 1 skipped \(RuntimeError"):
+            scope.flush()
+    assert warnings_of(caplog, "summarising step 1 failed (RuntimeError: crafted)")
+    assert deepscope.open_run(tmp_path / "r").steps() == [0, 2]
+
+
 # --- 9. another program holds the database's write lock --------------------------------------
 
 def record_through_a_lock(root: Path, monkeypatch: pytest.MonkeyPatch, wait: float,

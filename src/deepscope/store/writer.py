@@ -50,6 +50,8 @@ log = logging.getLogger("deepscope")
 LOCK_WAIT_SECONDS = 30.0
 LOCK_PROBE_SECONDS = 1.0
 _BUSY_TIMEOUT_SECONDS = 0.05  # SQLite's own wait per attempt; the back-off is ours
+_LOCKED = ("another program has held the write lock of {path} too long; {what} and later "
+           "items are skipped until it lets go (training continues)")
 _live_writers: weakref.WeakSet = weakref.WeakSet()
 _inherited: list = []  # a forked child never closes its parent's connections (see _forked)
 
@@ -252,7 +254,8 @@ class StoreWriter:
         self.skipped_steps = 0
         self.failed: str | None = None
         self.last_committed: int | None = None  # highest step committed by this writer
-        self._unreported: list[str] = []  # what flush() has not yet said was not written
+        # What flush() has not yet said was not written: failure -> [count, first, last item]
+        self._unreported: dict[str, list] = {}
         self._reported: set[str] = set()
         self._tensor_ids: dict[str, int] = {}
         self._busy_since: float | None = None
@@ -361,7 +364,10 @@ class StoreWriter:
         """
         if self._thread.is_alive():
             self._queue.join()
-        lost, self._unreported = self._unreported, []
+        lost = [f"{first} skipped ({key})" if n == 1 else
+                f"{n} items skipped ({key}): {first} ... {last}"
+                for key, (n, first, last) in self._unreported.items()]
+        self._unreported = {}
         if self.failed:
             after = "" if self.last_committed is None else f" after step {self.last_committed}"
             lost.append(f"recording stopped ({self.failed}); nothing recorded{after} was "
@@ -417,29 +423,34 @@ class StoreWriter:
                         "run, training continues and committed steps stay readable",
                         self.path, self.failed)
         else:
-            self._skip(item, key, f"deepscope: writing %s to {self.path} failed ({key}); it is "
-                       "skipped, recording continues")
+            self._skip(item, key, "writing {what} to {path} failed ({key}); it is skipped, "
+                       "recording continues")
 
     def _skip(self, item: Any, key: str, warning: str) -> None:
-        """Count an item not written; warn once per kind of failure (`warning` % item)."""
+        """Count an item not written; warn once per kind of failure `key` (`warning` with
+        {what}, {key} and {path} filled in)."""
         what = _describe(item)
         if isinstance(item, StepPayload):
             self.skipped_steps += 1
-        self._unreported.append(f"{what} skipped ({key})")
+        entry = self._unreported.setdefault(key, [0, what, what])
+        entry[0] += 1
+        entry[2] = what
         if key not in self._reported:
             self._reported.add(key)
-            log.warning(warning, what)
+            log.warning("deepscope: %s", warning.format(what=what, key=key, path=self.path))
 
     def _write(self, item: Any) -> None:
         summary = self._summarise(item) if isinstance(item, StepPayload) else None
         if isinstance(item, StepPayload) and summary is None:
             return
+        if isinstance(item, _Kpis):  # once, before any retry
+            item = _Kpis(self._kpi_rows(item.rows))
         delay = 0.01
         while True:
             now = time.monotonic()
             if self._busy_since is not None and now - self._busy_since >= LOCK_WAIT_SECONDS \
                     and now < self._next_probe:
-                self._skip(item, "database locked", self._locked_warning())
+                self._skip(item, "database locked", _LOCKED)
                 return
             try:
                 self._transaction(item, summary)
@@ -450,7 +461,7 @@ class StoreWriter:
                     self._busy_since = now
                 if now - self._busy_since >= LOCK_WAIT_SECONDS:
                     self._next_probe = now + LOCK_PROBE_SECONDS
-                    self._skip(item, "database locked", self._locked_warning())
+                    self._skip(item, "database locked", _LOCKED)
                     return
                 time.sleep(delay)
                 delay = min(2 * delay, 0.5)
@@ -463,11 +474,6 @@ class StoreWriter:
             self._busy_since = None
             return
 
-    def _locked_warning(self) -> str:
-        return (f"deepscope: another program has held the write lock of {self.path} for "
-                f"{LOCK_WAIT_SECONDS:g} s; %s and later items are skipped until it lets go "
-                "(training continues)")
-
     def _transaction(self, item: Any, summary: StepSummary | None) -> None:
         con = self._con
         try:  # deleted or replaced under us: writing on would go into a file nobody sees
@@ -477,13 +483,12 @@ class StoreWriter:
         if gone:
             raise RunDeleted(f"{self.path} was deleted or replaced while recording; record "
                            "into a new run")
-        rows = self._kpi_rows(item.rows) if isinstance(item, _Kpis) else None
         con.execute("BEGIN IMMEDIATE")
         try:
             if isinstance(item, StepPayload):
                 self._write_step(item, summary)
             elif isinstance(item, _Kpis):
-                con.executemany("INSERT OR REPLACE INTO kpis VALUES (?, ?, ?, ?)", rows)
+                con.executemany("INSERT OR REPLACE INTO kpis VALUES (?, ?, ?, ?)", item.rows)
             elif isinstance(item, _Note):
                 con.execute("INSERT INTO notes (wall_time, step, text) VALUES (?, ?, ?)",
                             (item.wall_time, item.step, item.text))
@@ -512,7 +517,7 @@ class StoreWriter:
                 out.append((name, step, kind, _to_float(value)))
             except Exception as exc:  # noqa: BLE001 - validated at rec.kpi; belt and braces
                 self._skip(f"KPI {name!r} of step {step}", f"{type(exc).__name__}: {exc}",
-                           "deepscope: %s could not be stored; that value is skipped")
+                           "{what} could not be stored ({key}); that value is skipped")
         return out
 
     def _summarise(self, p: StepPayload) -> StepSummary | None:
@@ -523,10 +528,8 @@ class StoreWriter:
             return p.summarise()
         except Exception as exc:
             key = f"{type(exc).__name__}: {exc}"
-            if key not in self._reported:
-                self._reported.add(key)
-                log.warning("deepscope: summarising step %d failed (%s); the step is skipped, "
-                            "training continues", p.step, key)
+            self._skip(p, key, "summarising {what} failed ({key}); the step is skipped, "
+                       "training continues")
             return None
 
     def _tensor_id(self, info: TensorInfo) -> int:
