@@ -176,7 +176,8 @@ class RunLock:
 
     def write_run_id(self, run_id: str) -> None:
         os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, run_id.encode("ascii"), 0)
+        os.lseek(self.fd, 0, os.SEEK_SET)
+        os.write(self.fd, run_id.encode("ascii"))
         os.fsync(self.fd)
 
     def release(self, unlock: bool = True) -> None:
