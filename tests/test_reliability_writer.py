@@ -201,51 +201,45 @@ def test_bad_values_are_refused_at_the_call_and_the_rest_is_recorded(tmp_path, c
     assert list(run.notes()["text"]) == ["fine"]
 
 
-def test_a_write_failure_of_one_step_skips_that_step_not_the_run(tmp_path, monkeypatch, caplog):
-    write_step = StoreWriter._write_step
+@pytest.mark.parametrize("stage", ["summary", "write"])
+def test_a_failure_of_one_step_skips_that_step_not_the_run(tmp_path, monkeypatch, caplog,
+                                                           stage):
+    """Steps 1 and 3 fail, in their summary (writer thread) or inside their transaction:
+    each is skipped alone, warned about, and named by the next flush()."""
+    from deepscope.recorder import step as step_module
+    summarise, write_step = step_module.summarise_captures, StoreWriter._write_step
+    failures = iter([False, True, False, True, False])  # summaries run once per step, in order
 
-    def failing(self: StoreWriter, p: StepPayload, summary: object) -> None:
+    def failing_summary(*args: object) -> object:
+        if next(failures):
+            raise RuntimeError("crafted failure")
+        return summarise(*args)
+
+    def failing_write(self: StoreWriter, p: StepPayload, summary: object) -> None:
         write_step(self, p, summary)
         if p.step in (1, 3):
-            raise sqlite3.IntegrityError(f"crafted failure of step {p.step}")
+            raise sqlite3.IntegrityError("crafted failure")
 
-    monkeypatch.setattr(StoreWriter, "_write_step", failing)
+    if stage == "summary":
+        monkeypatch.setattr(step_module, "summarise_captures", failing_summary)
+    else:
+        monkeypatch.setattr(StoreWriter, "_write_step", failing_write)
+    error = "RuntimeError" if stage == "summary" else "IntegrityError"
     with caplog.at_level(logging.WARNING, logger="deepscope"), \
             deepscope.Scope(tmp_path, "r", schedule=1) as scope:
         record(scope, range(3))
-        with pytest.raises(deepscope.RecordingError, match=r"step 1 skipped \(IntegrityError"):
+        with pytest.raises(deepscope.RecordingError, match=rf"step 1 skipped \({error}"):
             scope.flush()
         scope.flush()  # said once: nothing new was lost since
         record(scope, range(3, 5))
         with pytest.raises(deepscope.RecordingError, match="step 3 skipped"):
             scope.flush()
     assert scope.writer.skipped_steps == 2 and not scope.writer.failed
-    assert len(warnings_of(caplog, "it is skipped, recording continues")) == 2
+    assert len(warnings_of(caplog, "crafted failure")) == 1  # once per kind of failure
     run = deepscope.open_run(tmp_path / "r")
     assert run.steps() == [0, 2, 4]
     assert workload.orphan_steps(tmp_path / "r" / "rank0.sqlite") == {}
     assert list(run.kpis()["step"]) == [0, 1, 2, 3, 4]  # KPIs are their own transactions
-
-
-def test_a_step_whose_summary_fails_is_named_by_flush(tmp_path, monkeypatch, caplog):
-    from deepscope.recorder import step as step_module
-    real = step_module.summarise_captures
-    calls = []
-
-    def once_failing(*args: object) -> object:
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("crafted")
-        return real(*args)
-
-    monkeypatch.setattr(step_module, "summarise_captures", once_failing)
-    with caplog.at_level(logging.WARNING, logger="deepscope"), \
-            deepscope.Scope(tmp_path, "r", schedule=1) as scope:
-        record(scope, range(3))
-        with pytest.raises(deepscope.RecordingError, match=r"step 1 skipped \(RuntimeError"):
-            scope.flush()
-    assert warnings_of(caplog, "summarising step 1 failed (RuntimeError: crafted)")
-    assert deepscope.open_run(tmp_path / "r").steps() == [0, 2]
 
 
 # --- 9. another program holds the database's write lock --------------------------------------
