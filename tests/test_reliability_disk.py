@@ -78,7 +78,10 @@ def test_disk_full_disables_recording_once_and_training_goes_on(tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="deepscope"):
         for step in range(3, 10):
             workload.train_step(scope, model, 0, step)
-        scope.flush()
+        # flush() says what is not on disk instead of returning as if all were written
+        with pytest.raises(deepscope.RecordingError, match=r"database or disk is full\); "
+                           r"nothing recorded after step 2 was written"):
+            scope.flush()
         assert_committed_steps_intact(tmp_path / "r", [0, 1, 2])  # readable while it runs
         with scope.step(10) as rec:
             assert not rec.recording  # disabled: later steps cost nothing
@@ -113,7 +116,11 @@ def fail_step_one(root: Path, name: str, fail_at: int) -> tuple[deepscope.Scope,
     scope.flush()
     con = scope.writer._con = FailingConnection(scope.writer._con, fail_at)
     workload.train_step(scope, model, 0, 1)
-    scope.flush()
+    try:
+        scope.flush()
+        assert fail_at == 0
+    except deepscope.RecordingError:
+        assert fail_at > 0
     statements = con.count
     before = params(model)
     workload.train_step(scope, model, 0, 2)

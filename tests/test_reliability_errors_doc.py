@@ -152,6 +152,34 @@ def on_scope(call: Callable[[deepscope.Scope], object], **kwargs: object
     return do
 
 
+def second_writer(tmp: Path) -> None:
+    with recording(tmp):
+        deepscope.Scope(tmp, "r", resume=True)
+
+
+def flush_after_disk_full(tmp: Path) -> None:
+    with recording(tmp) as scope:
+        with scope.step(0) as rec:
+            rec.tensor("x", torch.ones(2, 3), role="input")
+        scope.flush()
+        con = scope.writer._con
+        con.execute(f"PRAGMA max_page_count={con.execute('PRAGMA page_count').fetchone()[0]}")
+        with scope.step(1) as rec:  # needs new pages
+            rec.tensor("x", torch.randn(64, 256), role="input")
+        scope.flush()
+
+
+def foreign_wal(tmp: Path) -> None:
+    recorded(tmp).close()
+    with deepscope.Scope(tmp, "other", schedule=1) as other:
+        with other.step(0) as rec:
+            rec.tensor("x", torch.ones(2, 3), role="input")
+        other.flush()
+        (tmp / "r" / "rank0.sqlite-wal").write_bytes(
+            (tmp / "other" / "rank0.sqlite-wal").read_bytes())
+    deepscope.open_run(tmp / "r").steps()
+
+
 def truncated(tmp: Path) -> None:
     recorded(tmp).close()
     path = tmp / "r" / "rank0.sqlite"
@@ -212,6 +240,23 @@ CASES = [
     Case("Recording", 'rec.kpi("acc", "high")', in_step(lambda r: r.kpi("acc", "high"))),
     Case("Recording", 'rec.kpi("acc", torch.ones(3))',
          in_step(lambda r: r.kpi("acc", torch.ones(3)))),
+    Case("Recording", 'Scope(path, "r", rank=-1)', lambda t: deepscope.Scope(t, "r", rank=-1)),
+    Case("Recording", 'Scope(path, "r", queue_size=0)',
+         lambda t: deepscope.Scope(t, "r", queue_size=0)),
+    Case("Recording", 'Scope(path, "r", resume=True) while another Scope writes it',
+         second_writer),
+    Case("Recording", "scope.step(-1)", on_scope(lambda s: s.step(-1))),
+    Case("Recording", 'scope.note("x\\ud800y")', on_scope(lambda s: s.note("x\ud800y"))),
+    Case("Recording", 'rec.tensor("x", torch.ones(2), batch_dim="0")',
+         in_step(lambda r: r.tensor("x", torch.ones(2), batch_dim="0"))),
+    Case("Recording", 'rec.tensor("x", torch.ones(2), node=7)',
+         in_step(lambda r: r.tensor("x", torch.ones(2), node=7))),
+    Case("Recording", 'rec.tensor("x", torch.ones(2).to_sparse())',
+         in_step(lambda r: r.tensor("x", torch.ones(2).to_sparse()))),
+    Case("Recording", 'rec.tensor("x", torch.ones(2, dtype=torch.complex64))',
+         in_step(lambda r: r.tensor("x", torch.ones(2, dtype=torch.complex64)))),
+    Case("Recording", 'rec.kpi("k", 10**400)', in_step(lambda r: r.kpi("k", 10**400))),
+    Case("Recording", "scope.flush() after the disk filled up", flush_after_disk_full),
     # --- reading ---
     Case("Reading", 'open_run("runs/missing")', lambda t: deepscope.open_run(t / "missing")),
     Case("Reading", 'open_project("runs/missing")',
@@ -239,6 +284,7 @@ CASES = [
     Case("Files", "read a truncated file", truncated),
     Case("Files", "read a crafted array shape", crafted_shape),
     Case("Files", "read a step whose compressed data is cut short", damaged_step_data),
+    Case("Files", "open a run whose -wal file is another run's", foreign_wal),
     # --- command line ---
     Case("Command line", "deepscope ls runs/missing", cli_ls(lambda t: t / "missing")),
     Case("Command line", "deepscope ls runs (with a damaged run)",

@@ -7,3 +7,9 @@ class DeepscopeError(Exception):
 
 class CorruptRunError(DeepscopeError, ValueError):
     """A stored run cannot be read: truncated, foreign, or from an unknown schema version."""
+
+
+class RecordingError(DeepscopeError):
+    """`Scope.flush()` could not promise what it promises: some of what was recorded before it
+    is not on disk (the writer failed, or steps were skipped). Training may go on; catch it
+    to continue without the guarantee."""

@@ -20,14 +20,15 @@ from ..anomalies.monitor import HealthMonitor
 from ..hookstate import hooks_paused
 from ..naming import named_leaves
 from ..store.layout import check_run_name, rank_file, rank_files
-from ..store.writer import StoreWriter
+from ..store.writer import RunLock, StoreWriter
 from .buffers import BufferPool
 from .schedule import Schedule, as_schedule, every
 from .stats import DEFAULT_MAX_NEURONS
-from .step import StepRecorder
+from .step import StepRecorder, check_text, unrecordable
 
 log = logging.getLogger("deepscope")
 _open_scopes: weakref.WeakSet = weakref.WeakSet()
+MAX_STEP = 2**63 - 1  # SQLite's largest integer
 KPI_FLUSH_SECONDS = 1.0  # unrecorded steps' KPIs are committed at least this often
 
 
@@ -45,6 +46,9 @@ class Scope:
     dynamic / keep_if: steps chosen by `dynamic` but not by `schedule` are recorded
         tentatively and kept if `keep_if(rec)` is true or `rec.keep()` was called.
     overwrite / resume: what to do if the run exists (default: refuse with an error).
+        Each run and rank has one writer (an OS lock, released when its process ends); a
+        second one is refused. resume continues after the last committed step.
+    rank: this process's rank file (default: the torch.distributed rank, else 0).
     on_full: "block" (back-pressure) or "drop" (drop whole steps) when the writer lags.
     exact_views: store per-neuron / per-sample aggregate views as float32 instead of
         bfloat16 (twice the bytes). Statistics and sample values are always exact.
@@ -75,8 +79,14 @@ class Scope:
         check_run_name(run)
         if overwrite and resume:
             raise ValueError("pass either overwrite=True or resume=True, not both")
-        if not isinstance(max_samples, int) or max_samples < 0:
-            raise ValueError(f"max_samples must be an integer >= 0, got {max_samples!r}")
+        for arg, value, low in (("max_samples", max_samples, 0), ("max_neurons", max_neurons, 0),
+                                ("queue_size", queue_size, 1), ("record_next", record_next, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{arg} must be an integer >= {low}, got {value!r}")
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
+                                 or rank < 0):
+            raise ValueError(f"rank must be an integer >= 0 (or None: the torch.distributed "
+                             f"rank), got {rank!r}")
         self.schedule = every(10) if schedule is None else as_schedule(schedule)
         self.dynamic = as_schedule(dynamic, "dynamic") if dynamic is not None else None
         self.keep_if = keep_if
@@ -125,6 +135,11 @@ class Scope:
                              "overwrite=True to replace it, resume=True to continue it, or "
                              "choose another run name")
         if overwrite and existing:
+            busy = [p.name for p in existing.values() if RunLock.is_held(p)]
+            if busy:
+                raise ValueError(f"run {run!r} is being written by another process ({busy[0]}); "
+                                 "wait for it to finish before overwrite=True, or choose "
+                                 "another run name")
             shutil.rmtree(self.run_dir)
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -191,12 +206,14 @@ class Scope:
         """Store a free-text note (shown in the GUI's Notes tab) with the current step."""
         if not isinstance(text, str):
             raise TypeError(f"scope.note(...) needs a string, got {type(text).__name__}")
+        check_text(text, "note")
         step = self._current.step if self._current is not None else self._last_step
         self.writer.submit_note(text, step)
 
     # --- steps ----------------------------------------------------------------------------
     def step(self, step: int, kind: str = "default") -> StepRecorder:
-        """Open step `step` of kind `kind`; use as `with scope.step(n) as rec:`."""
+        """Open step `step` (0 <= step < 2**63, increasing) of kind `kind`; use as
+        `with scope.step(n) as rec:`."""
         if self.closed:
             raise ValueError("this Scope is closed; create a new Scope (resume=True) to "
                              "record more")
@@ -205,12 +222,16 @@ class Scope:
                              "still open; leave the previous `with` block first")
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step must be an int, got {type(step).__name__}")
+        if not 0 <= step <= MAX_STEP:
+            raise ValueError(f"step must be between 0 and 2**63 - 1, got {step}; pass a global "
+                             "step counter from 0")
         if not isinstance(kind, str) or not kind:
             raise TypeError(f"kind must be a non-empty string, got {kind!r}")
+        check_text(kind, "kind")
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"step numbers must increase: got {step} after {self._last_step}; "
                              "pass a global step counter")
-        live = not self.writer.failed
+        live = self.writer.live()
         record = live and (bool(self.schedule(step, kind)) or self._force_record > 0)
         self._force_record = max(self._force_record - 1, 0)
         tentative = (live and not record and self.dynamic is not None
@@ -241,33 +262,41 @@ class Scope:
         self._kpi_rows.extend((n, rec.step, rec.kind, v) for n, v in rec._kpis)
         if rec.recording or time.monotonic() - self._kpi_sent > KPI_FLUSH_SECONDS:
             self._send_kpis()
-        self._check_health(rec.step)
+        findings = self._check_health(rec.step)
         quantities = []
         if rec._instrumented:
             quantities = self._guard(self.instruments.finish) or []
             if quantities is _FAILED:
                 quantities = []
+        submitted = False
         if rec.recording and rec._keep():
             payload = self._guard(rec._payload)
             if payload is not _FAILED:
                 payload.quantities = quantities
                 self.writer.submit_step(payload)
-                return
-        self.writer.submit_quantities(quantities)
+                submitted = True
+        if not submitted:
+            self.writer.submit_quantities(quantities)
+        # Last: the step is queued before the user's callback may stop training.
+        self._call_on_anomaly(findings)
 
-    def _check_health(self, step: int | None) -> None:
-        """Store the monitor's findings (step None: what is still held, at close); the user's
-        callback runs outside our guard so that it can stop training."""
+    def _check_health(self, step: int | None) -> list[Any]:
+        """Store the monitor's findings (step None: what is still held, at close) and return
+        them for `_call_on_anomaly`."""
         if self.monitor is None:
-            return
+            return []
         result = self._guard(self.monitor.finish if step is not None else self.monitor.flush,
                              *([step] if step is not None else []))
         if result is _FAILED:
-            return
+            return []
         findings, record_next = result
         self._force_record = max(self._force_record, record_next)
         self.writer.submit_anomalies([(f.step, f.tensor, f.detector, f.value, f.threshold,
                                        f.message) for f in findings])
+        return findings
+
+    def _call_on_anomaly(self, findings: list[Any]) -> None:
+        """The user's callback runs outside our guard so that it can stop training."""
         if self._on_anomaly is not None:
             for f in findings:
                 self._on_anomaly(f)
@@ -283,6 +312,9 @@ class Scope:
     def _record_output(self, rec: StepRecorder, path: str, is_root: bool, output: Any) -> None:
         role = "output" if is_root else "activation"
         for suffix, t in named_leaves(output):
+            if reason := unrecordable(t):  # e.g. a sparse output: the other outputs go on
+                self._warn_once(f"activation {path + suffix}: {reason}; it is not recorded")
+                continue
             base = path + suffix
             count = rec._activation_counts.get((base, rec._iteration), 0)
             rec._activation_counts[(base, rec._iteration)] = count + 1
@@ -293,6 +325,12 @@ class Scope:
                        "output")
 
     # --- failures inside recording never stop training -------------------------------------
+    def _warn_once(self, message: str) -> None:
+        """Log `deepscope: message` the first time this scope meets it."""
+        if message not in self._reported:
+            self._reported.add(message)
+            log.warning("deepscope: %s", message)
+
     def _guard(self, fn: Callable, *args: Any) -> Any:
         try:
             return fn(*args)
@@ -319,7 +357,11 @@ class Scope:
         self._kpi_sent = time.monotonic()
 
     def flush(self) -> None:
-        """Block until every step so far is committed to disk."""
+        """Block until every step so far is committed to disk.
+
+        Raises `deepscope.RecordingError` naming what was not written since the last flush
+        (the writer failed, or steps were skipped): a return means all of it is on disk.
+        """
         self._send_kpis()
         self.writer.flush()
 
@@ -332,11 +374,12 @@ class Scope:
             h.remove()
         self._module_hooks.clear()
         self._send_kpis()
-        self._check_health(None)
+        findings = self._check_health(None)
         for part in (self.instruments, self.monitor):
             if part is not None:
                 self._guard(part.close)
         self.writer.close()
+        self._call_on_anomaly(findings)
 
     def __enter__(self) -> Scope:
         return self

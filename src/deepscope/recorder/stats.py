@@ -8,6 +8,8 @@ non-finite values); `fast` is the CPU fast path, tested against it.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -16,6 +18,7 @@ from ..store.schema import STAT_COLUMNS
 DEFAULT_MAX_NEURONS = 4096   # per-neuron views keep the first this-many neurons
 DEFAULT_MAX_ITEMS = 4096     # per-sample statistics keep the first this-many batch items
 DEFAULT_MAX_VALUES = 65536   # full values of one stored sample are cut to this many elements
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def tensor_stats(x: torch.Tensor, singular_value: bool = False) -> torch.Tensor:
@@ -181,18 +184,23 @@ def small_summaries(tensors: list[tuple[torch.Tensor, int | None]], max_samples:
 
 
 def _samples(x: torch.Tensor, batch_dim: int, max_samples: int,
-             max_values: int) -> torch.Tensor:
-    """Full values of the first `max_samples` batch items, float32, each cut to `max_values`
+             max_values: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Full values of the first `max_samples` batch items, `dtype`, each cut to `max_values`
     elements (flattened) if larger; a new tensor."""
     xb = x.movedim(batch_dim, 0)[:max_samples]
     if xb[0].numel() > max_values:
         xb = xb.reshape(xb.shape[0], -1)[:, :max_values]
-    return xb.to(torch.float32, copy=True)
+    return xb.to(dtype, copy=True)
 
 
 def _rows(rows: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
-    """mean / std / abs_max over `dim` of a 2-D float tensor, ignoring non-finite elements."""
-    if rows.device.type == "cpu" and bool(torch.isfinite(rows.sum())):
+    """mean / std / abs_max over `dim` of a 2-D float tensor, ignoring non-finite elements.
+
+    float64 rows are divided by their largest finite magnitude first (and the results
+    multiplied back): squares of values beyond ~1e154 would overflow.
+    """
+    wide = rows.dtype == torch.float64
+    if not wide and rows.device.type == "cpu" and bool(torch.isfinite(rows.sum())):
         r64 = rows.to(torch.float64)
         mean = r64.mean(dim)
         sq = (r64 * r64).mean(dim)
@@ -201,18 +209,25 @@ def _rows(rows: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
                 "abs_max": rows.abs().amax(dim)}
     finite = torch.isfinite(rows)
     count = finite.sum(dim)
+    if wide:
+        scale = torch.where(finite, rows, 0.0).abs().amax(dim, keepdim=True)
+        scale = torch.where(scale > 0, scale, 1.0)
+        rows = rows / scale
     z = torch.where(finite, rows, 0.0)
     mean = z.sum(dim) / count  # 0 / 0 = NaN: a neuron with no finite value is not shown as 0
     centred = torch.where(finite, rows - mean.unsqueeze(dim), 0.0)
     std = (centred.square().sum(dim) / count).sqrt()
     abs_max = torch.where(count > 0, z.abs().amax(dim), float("nan"))
-    return {"mean": mean, "std": std, "abs_max": abs_max}
+    out = {"mean": mean, "std": std, "abs_max": abs_max}
+    return {k: v * scale.squeeze(dim) for k, v in out.items()} if wide else out
 
 
 def array_views(x: torch.Tensor, batch_dim: int | None, max_samples: int,
                 max_neurons: int = DEFAULT_MAX_NEURONS, max_items: int = DEFAULT_MAX_ITEMS,
-                max_values: int = DEFAULT_MAX_VALUES) -> dict[str, torch.Tensor]:
-    """Array views of one tensor record, float32 on x's device.
+                max_values: int = DEFAULT_MAX_VALUES, dtype: torch.dtype = torch.float32
+                ) -> dict[str, torch.Tensor]:
+    """Array views of one tensor record, `dtype` (float32, or float64 for `is_wide` tensors)
+    on x's device.
 
     With a batch dimension (size B, the rest flattened to N "neurons"):
       neuron_mean / neuron_std / neuron_abs_max: (min(N, max_neurons),) over the batch;
@@ -225,7 +240,7 @@ def array_views(x: torch.Tensor, batch_dim: int | None, max_samples: int,
     x = x.detach()
     if x.dim() == 0 or x.numel() == 0:  # no values, no views (and reshape(0, -1) fails)
         return {}
-    xf = x.to(torch.float32)
+    xf = x.to(dtype)
     views: dict[str, torch.Tensor] = {}
     if batch_dim is None:
         rows = xf.reshape(x.shape[0], -1)[:max_neurons]
@@ -239,7 +254,29 @@ def array_views(x: torch.Tensor, batch_dim: int | None, max_samples: int,
     for stat, v in _rows(flat[:max_items], 1).items():
         views[f"sample_{stat}"] = v
     if max_samples > 0:
-        views["samples"] = _samples(x, batch_dim, max_samples, max_values)
+        views["samples"] = _samples(x, batch_dim, max_samples, max_values, dtype)
     return views
+
+
+def is_wide(x: torch.Tensor) -> bool:
+    """A float64 tensor with finite values beyond float32's range (one host sync): its views
+    would saturate to ±inf in float32 and its squares may overflow float64."""
+    return (x.dtype == torch.float64 and x.numel() > 0
+            and float(torch.where(torch.isfinite(x), x, 0.0).abs().max()) > FLOAT32_MAX)
+
+
+def wide_summary(x: torch.Tensor, batch_dim: int | None, max_samples: int,
+                 max_neurons: int = DEFAULT_MAX_NEURONS) -> tuple[torch.Tensor,
+                                                                  dict[str, torch.Tensor]]:
+    """`tensor_stats` and `array_views` of an `is_wide` tensor, exact: the moments are taken
+    of x·2⁻ᵏ (k: the binary exponent of its largest finite magnitude, so the rescaling is
+    exact) and scaled back; min/max/counts of x itself; views and samples in float64."""
+    x = x.detach()
+    largest = float(torch.where(torch.isfinite(x), x, 0.0).abs().max())
+    scale = 2.0 ** -math.frexp(largest)[1]
+    row = tensor_stats(x)
+    moments = [_COL[c] for c in ("mean", "std", "abs_mean", "norm")]
+    row[moments] = tensor_stats(x * scale)[moments] / scale
+    return row, array_views(x, batch_dim, max_samples, max_neurons, dtype=torch.float64)
 
 

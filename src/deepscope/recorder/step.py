@@ -22,13 +22,37 @@ if TYPE_CHECKING:
 ROLES = ("input", "target", "activation", "output", "loss", "parameter")
 _BATCHED_ROLES = ("input", "target", "activation", "output", "loss")
 AUTO = "auto"
+_MAX_FLOAT = int(torch.finfo(torch.float64).max)
+
+
+def check_text(text: str, what: str) -> str:
+    """Text goes into the run as UTF-8: a lone surrogate (e.g. from a mis-decoded file name)
+    cannot be stored, so it is refused here rather than failing the write later."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} {text[:80]!r} holds a lone surrogate "
+                         f"{text[exc.start]!r} that UTF-8 cannot store; pass valid text, "
+                         "e.g. text.encode('utf-8', 'replace').decode()") from None
+    return text
 
 
 def _check_name(name: Any, what: str = "name") -> str:
     if not isinstance(name, str) or not name or len(name) > 256:
         raise TypeError(f"tensor {what} must be a non-empty string of at most 256 characters, "
                         f"got {name!r}")
-    return name
+    return check_text(name, f"tensor {what}")
+
+
+def unrecordable(tensor: torch.Tensor) -> str | None:
+    """Why `tensor`'s values cannot be recorded (and what to pass instead), or None."""
+    if tensor.is_meta:
+        return "it is on the meta device and holds no values; record a real tensor"
+    if tensor.layout != torch.strided:
+        return f"its layout is {tensor.layout}; record tensor.to_dense()"
+    if tensor.is_complex():
+        return "it is complex; record tensor.real and tensor.imag (or tensor.abs()) instead"
+    return None
 
 
 def _check_kpi(name: Any, value: Any) -> None:
@@ -37,9 +61,29 @@ def _check_kpi(name: Any, value: Any) -> None:
         if value.numel() != 1:
             raise ValueError(f"rec.kpi({name!r}, ...) needs a single number; got a tensor of "
                              f"shape {tuple(value.shape)} (reduce it, e.g. .mean())")
+        if reason := unrecordable(value):
+            raise ValueError(f"rec.kpi({name!r}, ...) cannot store this tensor: {reason}")
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"rec.kpi({name!r}, ...) needs a number or a 1-element tensor, "
                         f"got {type(value).__name__}")
+    elif isinstance(value, int) and abs(value) > _MAX_FLOAT:
+        raise ValueError(f"rec.kpi({name!r}, ...) got an integer of {len(str(abs(value)))} "
+                         "digits, beyond float64's range (about 1.8e308); pass a float")
+
+
+def _check_batch_dim(name: str, tensor: torch.Tensor, batch_dim: Any) -> int | None:
+    """batch_dim as given, checked: an int within the tensor's dims, None, or "auto"."""
+    if isinstance(batch_dim, str) and batch_dim == AUTO:
+        return AUTO  # type: ignore[return-value]
+    if batch_dim is None:
+        return None
+    if isinstance(batch_dim, bool) or not isinstance(batch_dim, int):
+        raise TypeError(f"batch_dim of tensor {name!r} must be an int, None or 'auto', got "
+                        f"{batch_dim!r}")
+    if not -tensor.dim() <= batch_dim < tensor.dim():
+        raise ValueError(f"batch_dim={batch_dim} is out of range for tensor {name!r} of "
+                         f"shape {tuple(tensor.shape)}; pass a valid dim or None")
+    return batch_dim
 
 
 class StepRecorder:
@@ -108,9 +152,16 @@ class StepRecorder:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"rec.tensor({name!r}, ...) needs a torch.Tensor, got "
                             f"{type(tensor).__name__}; wrap it with torch.as_tensor(...)")
+        if reason := unrecordable(tensor):
+            raise ValueError(f"rec.tensor({name!r}, ...) cannot record this tensor: {reason}")
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r} for tensor {name!r}; use one of "
                              f"{', '.join(ROLES)}")
+        if node is not None:
+            _check_name(node, "node")
+        if role_in_node is not None:
+            _check_name(role_in_node, "role_in_node")
+        batch_dim = _check_batch_dim(name, tensor, batch_dim)
         key = (name, self._iteration)
         if key in self._seen:
             raise ValueError(f"tensor {name!r} is already registered in iteration "
@@ -118,9 +169,6 @@ class StepRecorder:
                              "start a new iteration with rec.iteration()")
         if batch_dim == AUTO:
             batch_dim = 0 if (role in _BATCHED_ROLES and tensor.dim() >= 1) else None
-        elif batch_dim is not None and not (-tensor.dim() <= batch_dim < tensor.dim()):
-            raise ValueError(f"batch_dim={batch_dim} is out of range for tensor {name!r} of "
-                             f"shape {tuple(tensor.shape)}; pass a valid dim or None")
         self._seen.add(key)
         self.scope._guard(self._add, name, tensor, role, node or name, role_in_node or name,
                           batch_dim)
@@ -134,6 +182,7 @@ class StepRecorder:
         also logged as the KPI `name` on every step.
         """
         self._check_open("loss")
+        _check_name(name, "loss name")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             got = (f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
                    else type(loss).__name__)
@@ -250,6 +299,9 @@ class StepRecorder:
     def _start(self) -> None:
         """Called on entry of a recorded step: parameter values and gradient hooks."""
         for name, p in self.scope._params.items():
+            if reason := unrecordable(p):
+                self.scope._warn_once(f"parameter {name}: {reason}; it is not recorded")
+                continue
             node, role_in_node = self.scope._param_nodes[name]
             self._infos[name] = TensorInfo(name, "parameter", node, role_in_node,
                                            list(p.shape), str(p.dtype).replace("torch.", ""),

@@ -14,7 +14,7 @@ from ..store import arrays
 from ..store.schema import STAT_COLUMNS
 from ..store.writer import StepSummary
 from .fast import fast_batched, fast_eligible, fast_parameters
-from .stats import array_views, small_summaries, tensor_stats
+from .stats import array_views, is_wide, small_summaries, tensor_stats, wide_summary
 
 # Tensors up to this many elements are summarised together in one batch of segmented
 # reductions: for them the fixed cost of ~20 separate small ops dominates.
@@ -81,7 +81,9 @@ def _summarise_unique(captures: list[Capture], max_samples: int, max_neurons: in
     batched: dict[tuple, list[int]] = {}
     for i, c in enumerate(captures):
         x = c.tensor
-        if singular_values and c.is_parameter and x.dim() == 2:
+        if x.dtype == torch.float64 and is_wide(x):  # beyond float32: its own exact path
+            done[i] = wide_summary(x, c.batch_dim, max_samples, max_neurons)
+        elif singular_values and c.is_parameter and x.dim() == 2:
             done[i] = (tensor_stats(x, True), array_views(x, None, max_samples, max_neurons))
         elif fast_eligible(x, c.batch_dim) and c.batch_dim is not None:
             batched.setdefault((x.shape[c.batch_dim], x.dtype), []).append(i)
@@ -111,13 +113,14 @@ def _summarise_unique(captures: list[Capture], max_samples: int, max_neurons: in
     zero_frac = host_stats[:, STAT_COLUMNS.index("zero_frac")].tolist()
     # Three kinds of part: aggregated views (bfloat16 unless exact; compressed), full sample
     # values of mostly-zero tensors (float32; compressed: ReLU outputs halve) and of the
-    # others (float32; stored raw: zlib gains little on dense floats at a high price).
+    # others (float32; stored raw: zlib gains little on dense floats at a high price). A
+    # fourth, float64 and compressed, for the views and samples of tensors beyond float32.
     pending = [(c.name, c.direction, view, c.iteration, arr,
-                "views" if view != "samples" else
+                "wide" if arr.dtype == torch.float64 else "views" if view != "samples" else
                 "sparse" if zero_frac[i] >= SPARSE else "dense")
                for i, (c, (_, vs)) in enumerate(zip(captures, done)) for view, arr in vs.items()]
     entries, parts, compress = [], [], []
-    for kind in ("sparse", "dense", "views"):
+    for kind in ("sparse", "dense", "views", "wide"):
         part = [p for p in pending if p[5] == kind]
         for idx in _by_device([p[4] for p in part]):  # one transfer per device
             flat = torch.cat([part[i][4].reshape(-1) for i in idx])

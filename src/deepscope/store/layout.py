@@ -5,13 +5,50 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ..errors import CorruptRunError
+
 RANK_FILE = re.compile(r"^rank(\d+)\.sqlite$")
+_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
 
 
 def rank_file(run_dir: Path, rank: int) -> Path:
     """The database file of `rank` inside `run_dir`."""
     return run_dir / f"rank{rank}.sqlite"
+
+
+def lock_file(db: Path) -> Path:
+    """The lock file beside a rank database: held (OS lock) by its one writer, and holding
+    the run id that the database's `meta` table must repeat."""
+    return db.with_name(db.name + ".lock")
+
+
+def sidecar_run_id(db: Path) -> str | None:
+    """The run id written in `db`'s lock file, or None without one (older or copied runs)."""
+    try:
+        text = lock_file(db).read_text("ascii", errors="replace").strip()
+    except OSError:
+        return None
+    return text if _RUN_ID.match(text) else None
+
+
+def parse_run_id(stored: object) -> str | None:
+    """meta's run_id value (JSON text, like every meta value) as a run id, or None."""
+    text = stored.strip('"') if isinstance(stored, str) else ""
+    return text if _RUN_ID.match(text) else None
+
+
+def check_run_id(db: Path, stored: object) -> None:
+    """Refuse a database whose run id (`stored`: meta's value) differs from its lock file's:
+    the pages SQLite read (typically a `-wal` file copied from another run) belong to another
+    database."""
+    expected = sidecar_run_id(db)
+    if expected is not None and stored is not None and parse_run_id(stored) != expected:
+        raise CorruptRunError(
+            f"{db} reads as another run (its run id is not the one in {lock_file(db).name}): "
+            "a -wal file from another database was probably put beside it; "
+            f"remove that -wal file (or, if you copied {db.name} here on purpose, delete "
+            f"{lock_file(db).name})")
 
 
 def rank_files(run_dir: Path) -> dict[int, Path]:

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import CorruptRunError
 from . import arrays, codecs
+from .layout import check_run_id
 from .schema import DDL, SCHEMA_VERSION
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -112,6 +113,8 @@ def _check_store(con: sqlite3.Connection, path: Path) -> None:
         raise _corrupt(f"{path} has schema version {str(version[0])[:20]!r}; this deepscope "
                        f"reads version {SCHEMA_VERSION} ({fix})")
     _check_tables(con, path, [t for t in expected_tables() if t != "meta"])
+    run_id = con.execute("SELECT value FROM meta WHERE key='run_id'").fetchone()
+    check_run_id(path, run_id and run_id[0])  # a -wal file of another database
 
 
 def open_readonly(path: Path) -> sqlite3.Connection:

@@ -4,17 +4,26 @@ The training thread only builds payloads (device tensors included) and puts them
 queue; the writer copies them to the host, encodes and compresses them (zlib runs without the
 GIL, beside training) and commits. A full queue either blocks the trainer (back-pressure, the
 default) or drops whole steps with a counted warning. A failing disk disables recording with
-one warning; what was committed stays readable.
+one warning; what was committed stays readable. A step whose own data cannot be written is
+skipped alone; another program holding the database lock is waited for (with back-off), then
+steps are skipped until it lets go.
+
+One writer per run and rank: an OS lock on `rankN.sqlite.lock` (released by the kernel when
+its holder dies, even by kill -9). The lock file also holds the run id, repeated in `meta` by
+every transaction, so a `-wal` file of another database cannot pass as this run's.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import sqlite3
 import threading
 import time
+import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,11 +32,28 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import RecordingError
 from ..instruments.base import QuantityValue
 from . import arrays, codecs
+from .layout import check_run_id, lock_file, parse_run_id, sidecar_run_id
 from .schema import APPLICATION_ID, DDL, SCHEMA_VERSION, STAT_COLUMNS
 
+try:
+    import fcntl
+except ImportError:  # Windows: no lock (see docs/LIMITATIONS.md)
+    fcntl = None  # type: ignore[assignment]
+
 log = logging.getLogger("deepscope")
+# Another program holding the database's write lock is waited for this long (seconds, with
+# back-off) before steps are skipped; while it holds on, the writer looks again every
+# LOCK_PROBE_SECONDS and skips what arrives in between without waiting.
+LOCK_WAIT_SECONDS = 30.0
+LOCK_PROBE_SECONDS = 1.0
+_BUSY_TIMEOUT_SECONDS = 0.05  # SQLite's own wait per attempt; the back-off is ours
+_LOCKED = ("another program has held the write lock of {path} too long; {what} and later "
+           "items are skipped until it lets go (training continues)")
+_live_writers: weakref.WeakSet = weakref.WeakSet()
+_inherited: list = []  # a forked child never closes its parent's connections (see _forked)
 
 
 @dataclass
@@ -108,9 +134,100 @@ class _Anomalies:
 _STOP = object()
 
 
+class RunLock:
+    """The exclusive OS lock of one rank database's writer, on `lock_file(db)`.
+
+    flock: held per open file, so a second writer in this process conflicts too, and the
+    kernel releases it when the holder dies. A forked child closes its inherited copy
+    without unlocking (see `StoreWriter._forked`).
+    """
+
+    def __init__(self, db: Path) -> None:
+        self.path = lock_file(db)
+        self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        if fcntl is None:
+            return
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self.fd)
+            self.fd = None
+            raise ValueError(
+                f"{db} is being written by another process, or by a Scope of this one not "
+                "closed yet (scope.close()): a run and rank has one writer; wait for it to "
+                "finish, or record into another run name or rank") from None
+
+    @staticmethod
+    def is_held(db: Path) -> bool:
+        """Whether a writer holds `db`'s lock now (False where locks do not exist)."""
+        if fcntl is None or not lock_file(db).exists():
+            return False
+        try:
+            fd = os.open(lock_file(db), os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except OSError:
+            return True
+        finally:
+            os.close(fd)  # closing releases a lock taken here
+
+    def write_run_id(self, run_id: str) -> None:
+        os.ftruncate(self.fd, 0)
+        os.lseek(self.fd, 0, os.SEEK_SET)
+        os.write(self.fd, run_id.encode("ascii"))
+        os.fsync(self.fd)
+
+    def release(self, unlock: bool = True) -> None:
+        """Unlock and close; `unlock=False` only closes (a forked child's copy)."""
+        if self.fd is not None:
+            if unlock and fcntl is not None:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+def _is_busy(exc: BaseException) -> bool:
+    """SQLITE_BUSY / SQLITE_LOCKED: another connection holds the lock; waiting may help."""
+    return (isinstance(exc, sqlite3.OperationalError)
+            and (getattr(exc, "sqlite_errorcode", None) in (5, 6)
+                 or "locked" in str(exc)))
+
+
+def _is_storage_failure(exc: BaseException) -> bool:
+    """A failure of the file or disk (recording stops); anything else is about one item's
+    data (that item is skipped)."""
+    return isinstance(exc, (OSError, RunDeleted)) or (
+        isinstance(exc, sqlite3.DatabaseError)
+        and not isinstance(exc, (sqlite3.IntegrityError, sqlite3.DataError,
+                                 sqlite3.ProgrammingError)))
+
+
+class RunDeleted(Exception):
+    """The database file was deleted or replaced under the writer."""
+
+
+def stored_run_id(path: Path) -> Any:
+    """The run id in an existing database's `meta` (JSON text), read without writing: a read-only
+    connection never checkpoints, so a foreign -wal file is not merged by looking at it."""
+    if not path.exists():
+        return None
+    con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        row = con.execute("SELECT value FROM meta WHERE key='run_id'").fetchone()
+    except sqlite3.DatabaseError:
+        return None  # no meta yet (or not a store): the writer's own checks say what
+    finally:
+        con.close()
+    return row and row[0]
+
+
 def connect(path: Path) -> sqlite3.Connection:
     """Open (or create) a store file for writing, WAL mode, schema ensured."""
-    con = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+    con = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False,
+                          timeout=_BUSY_TIMEOUT_SECONDS)
     con.execute("PRAGMA journal_mode=WAL")
     # NORMAL in WAL mode survives a killed process; only an OS crash can lose the last commits.
     con.execute("PRAGMA synchronous=NORMAL")
@@ -120,7 +237,12 @@ def connect(path: Path) -> sqlite3.Connection:
 
 
 class StoreWriter:
-    """Owns one rank database of one run and the thread that writes it."""
+    """Owns one rank database of one run and the thread that writes it.
+
+    Counters (read them any time): committed_steps, dropped_steps (queue full with
+    on_full="drop"), skipped_steps (not written: their data failed, or the database stayed
+    locked). failed: why recording stopped for good, or None.
+    """
 
     def __init__(self, path: Path, meta: dict[str, Any], *, resume: bool,
                  queue_size: int = 32, on_full: str = "block") -> None:
@@ -130,14 +252,42 @@ class StoreWriter:
         self.on_full = on_full
         self.dropped_steps = 0
         self.committed_steps = 0
+        self.skipped_steps = 0
         self.failed: str | None = None
+        self.last_committed: int | None = None  # highest step committed by this writer
+        # What flush() has not yet said was not written: failure -> [count, first, last item]
+        self._unreported: dict[str, list] = {}
         self._reported: set[str] = set()
         self._tensor_ids: dict[str, int] = {}
-        self._con = connect(path)
-        self._init_meta(meta, resume)
+        self._busy_since: float | None = None
+        self._next_probe = 0.0
+        self._pid = os.getpid()
+        self._forked_from: int | None = None
+        self._lock = RunLock(path)
+        try:
+            self.run_id = self._check_run_id()
+            self._con = connect(path)
+            self._init_meta(meta, resume)
+            self._inode = os.stat(path).st_ino
+        except BaseException:
+            if getattr(self, "_con", None) is not None:
+                self._con.close()
+            self._lock.release()
+            raise
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._run, name="deepscope-writer", daemon=True)
         self._thread.start()
+        _live_writers.add(self)
+
+    def _check_run_id(self) -> str:
+        """This rank's run id: the lock file's, checked against the database's before any
+        write; a new one for a new database (or one recorded before run ids existed)."""
+        stored = stored_run_id(self.path)
+        check_run_id(self.path, stored)
+        run_id = parse_run_id(stored) or sidecar_run_id(self.path) or uuid.uuid4().hex
+        if sidecar_run_id(self.path) != run_id:
+            self._lock.write_run_id(run_id)
+        return run_id
 
     def _init_meta(self, meta: dict[str, Any], resume: bool) -> None:
         con = self._con
@@ -151,7 +301,7 @@ class StoreWriter:
             if not resume:
                 raise ValueError(f"{self.path} already holds a run; pass resume=True")
         rows = {"schema_version": str(SCHEMA_VERSION),
-                **{k: json.dumps(v) for k, v in meta.items()}}
+                **{k: json.dumps(v) for k, v in meta.items()}, "run_id": json.dumps(self.run_id)}
         if not stored:
             rows["created"] = json.dumps(time.time())
         con.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", list(rows.items()))
@@ -165,6 +315,13 @@ class StoreWriter:
         return row[0]
 
     # --- the training thread's side -------------------------------------------------------
+    def live(self) -> bool:
+        """Whether recording can go on; in a forked child, says once why it cannot."""
+        if self._forked_from is not None and "fork" not in self._reported:
+            self._reported.add("fork")
+            log.warning("deepscope: %s", self.failed)
+        return not self.failed
+
     def submit_step(self, payload: StepPayload) -> bool:
         """Queue a step; False if it was dropped (queue full and on_full='drop') or disabled."""
         if self.failed:
@@ -200,14 +357,44 @@ class StoreWriter:
             self._queue.put(_Anomalies(rows))
 
     def flush(self) -> None:
-        """Block until everything queued so far is committed (or the writer failed)."""
+        """Block until everything queued so far is committed.
+
+        Raises `RecordingError` naming what was not written since the last flush (steps
+        skipped, or everything after the writer failed); returns only when all of it is on
+        disk. Steps dropped by on_full="drop" are counted in `dropped_steps`, not raised.
+        """
         if self._thread.is_alive():
             self._queue.join()
+        lost = [f"{first} skipped ({key})" if n == 1 else
+                f"{n} items skipped ({key}): {first} ... {last}"
+                for key, (n, first, last) in self._unreported.items()]
+        self._unreported = {}
+        if self.failed:
+            after = "" if self.last_committed is None else f" after step {self.last_committed}"
+            lost.append(f"recording stopped ({self.failed}); nothing recorded{after} was "
+                        "written")
+        if lost:
+            raise RecordingError(f"{self.path}: not everything recorded is on disk: "
+                                 f"{'; '.join(lost)}; committed steps stay readable")
 
     def close(self) -> None:
         if self._thread.is_alive():
             self._queue.put(_STOP)
             self._thread.join()
+        if self._forked_from is None:
+            self._lock.release()
+        _live_writers.discard(self)
+
+    def _forked(self) -> None:
+        """In a child made by os.fork(): no writer thread here, and the parent's connection,
+        queue and lock must not be touched. Recording stops in the child (one warning when
+        it first tries); the parent records on."""
+        self._forked_from = self._pid
+        self.failed = (f"this process was forked from the one writing {self.path}; recording "
+                       "is off in the child: open a new Scope in it (its own run or rank) "
+                       "to record there")
+        _inherited.append(self._con)  # never closed here: closing could checkpoint the parent's
+        self._lock.release(unlock=False)
 
     # --- the writer thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -218,11 +405,8 @@ class StoreWriter:
                     break
                 if not self.failed:
                     self._write(item)
-            except Exception as exc:  # disk full, unwritable, ...: never kill the training
-                self.failed = f"{type(exc).__name__}: {exc}"
-                log.warning("deepscope: writing %s failed (%s); recording is disabled for this "
-                            "run, training continues and committed steps stay readable",
-                            self.path, self.failed)
+            except Exception as exc:  # never kill the training
+                self._fail(item, exc)
             finally:
                 self._queue.task_done()
         try:
@@ -231,18 +415,81 @@ class StoreWriter:
             pass
         self._con.close()
 
+    def _fail(self, item: Any, exc: Exception) -> None:
+        """Disk full, unwritable, file gone: recording stops. Anything else: skip the item."""
+        key = f"{type(exc).__name__}: {exc}"
+        if _is_storage_failure(exc):
+            self.failed = key
+            log.warning("deepscope: writing %s failed (%s); recording is disabled for this "
+                        "run, training continues and committed steps stay readable",
+                        self.path, self.failed)
+        else:
+            self._skip(item, key, "writing {what} to {path} failed ({key}); it is skipped, "
+                       "recording continues")
+
+    def _skip(self, item: Any, key: str, warning: str) -> None:
+        """Count an item not written; warn once per kind of failure `key` (`warning` with
+        {what}, {key} and {path} filled in)."""
+        what = _describe(item)
+        if isinstance(item, StepPayload):
+            self.skipped_steps += 1
+        entry = self._unreported.setdefault(key, [0, what, what])
+        entry[0] += 1
+        entry[2] = what
+        if key not in self._reported:
+            self._reported.add(key)
+            log.warning("deepscope: %s", warning.format(what=what, key=key, path=self.path))
+
     def _write(self, item: Any) -> None:
-        con = self._con
         summary = self._summarise(item) if isinstance(item, StepPayload) else None
         if isinstance(item, StepPayload) and summary is None:
             return
-        con.execute("BEGIN")
+        if isinstance(item, _Kpis):  # once, before any retry
+            item = _Kpis(self._kpi_rows(item.rows))
+        delay = 0.01
+        while True:
+            now = time.monotonic()
+            if self._busy_since is not None and now - self._busy_since >= LOCK_WAIT_SECONDS \
+                    and now < self._next_probe:
+                self._skip(item, "database locked", _LOCKED)
+                return
+            try:
+                self._transaction(item, summary)
+            except sqlite3.OperationalError as exc:
+                if not _is_busy(exc):
+                    raise
+                if self._busy_since is None:
+                    self._busy_since = now
+                if now - self._busy_since >= LOCK_WAIT_SECONDS:
+                    self._next_probe = now + LOCK_PROBE_SECONDS
+                    self._skip(item, "database locked", _LOCKED)
+                    return
+                time.sleep(delay)
+                delay = min(2 * delay, 0.5)
+                continue
+            if self._busy_since is not None and "database locked" in self._reported:
+                log.warning("deepscope: %s is free again after %.1f s; recording resumed "
+                            "(%d step(s) skipped)", self.path, now - self._busy_since,
+                            self.skipped_steps)
+                self._reported.discard("database locked")
+            self._busy_since = None
+            return
+
+    def _transaction(self, item: Any, summary: StepSummary | None) -> None:
+        con = self._con
+        try:  # deleted or replaced under us: writing on would go into a file nobody sees
+            gone = os.stat(self.path).st_ino != self._inode
+        except FileNotFoundError:
+            gone = True
+        if gone:
+            raise RunDeleted(f"{self.path} was deleted or replaced while recording; record "
+                           "into a new run")
+        con.execute("BEGIN IMMEDIATE")
         try:
             if isinstance(item, StepPayload):
                 self._write_step(item, summary)
             elif isinstance(item, _Kpis):
-                con.executemany("INSERT OR REPLACE INTO kpis VALUES (?, ?, ?, ?)",
-                                [(n, s, k, _to_float(v)) for n, s, k, v in item.rows])
+                con.executemany("INSERT OR REPLACE INTO kpis VALUES (?, ?, ?, ?)", item.rows)
             elif isinstance(item, _Note):
                 con.execute("INSERT INTO notes (wall_time, step, text) VALUES (?, ?, ?)",
                             (item.wall_time, item.step, item.text))
@@ -250,6 +497,10 @@ class StoreWriter:
                 self._write_quantities(item.values)
             elif isinstance(item, _Anomalies):
                 self._write_anomalies(item.rows)
+            # Every transaction repeats the run id: the last commit in a -wal file then says
+            # which database the file belongs to (checked against the lock file on open).
+            con.execute("INSERT OR REPLACE INTO meta VALUES ('run_id', ?)",
+                        (json.dumps(self.run_id),))
             con.execute("COMMIT")
         except BaseException:
             if con.in_transaction:  # SQLite itself rolls back on SQLITE_FULL / IOERR
@@ -257,6 +508,18 @@ class StoreWriter:
             raise
         if isinstance(item, StepPayload):
             self.committed_steps += 1
+            self.last_committed = item.step
+
+    def _kpi_rows(self, rows: list[tuple[str, int, str, Any]]) -> list[tuple]:
+        """KPI rows as stored; a value that cannot be stored loses its own row only."""
+        out = []
+        for name, step, kind, value in rows:
+            try:
+                out.append((name, step, kind, _to_float(value)))
+            except Exception as exc:  # noqa: BLE001 - validated at rec.kpi; belt and braces
+                self._skip(f"KPI {name!r} of step {step}", f"{type(exc).__name__}: {exc}",
+                           "{what} could not be stored ({key}); that value is skipped")
+        return out
 
     def _summarise(self, p: StepPayload) -> StepSummary | None:
         """Run the step's summary; a failure there loses this step only, not the writer."""
@@ -266,10 +529,8 @@ class StoreWriter:
             return p.summarise()
         except Exception as exc:
             key = f"{type(exc).__name__}: {exc}"
-            if key not in self._reported:
-                self._reported.add(key)
-                log.warning("deepscope: summarising step %d failed (%s); the step is skipped, "
-                            "training continues", p.step, key)
+            self._skip(p, key, "summarising {what} failed ({key}); the step is skipped, "
+                       "training continues")
             return None
 
     def _tensor_id(self, info: TensorInfo) -> int:
@@ -317,7 +578,9 @@ class StoreWriter:
         self._write_quantities(p.quantities)
         self._write_anomalies(p.anomalies)
         # The steps row last: a reader that sees it sees the whole step (same transaction anyway).
-        con.execute("INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?)",
+        # Plain INSERT: a committed step is never rewritten (a second writer's or a resumed
+        # run's step number that exists fails here, and only that step is skipped).
+        con.execute("INSERT INTO steps VALUES (?, ?, ?, ?)",
                     (p.step, p.kind, p.wall_time, p.iterations))
 
     def _write_quantities(self, values: list[QuantityValue]) -> None:
@@ -336,6 +599,25 @@ class StoreWriter:
             "INSERT INTO anomalies (step, tensor, detector, value, threshold, message) "
             "VALUES (?, ?, ?, ?, ?, ?)", [(s, t, d, _to_float(v), _to_float(th), m)
                                            for s, t, d, v, th, m in rows])
+
+
+def _describe(item: Any) -> str:
+    """An item of the queue in words, for warnings and flush()."""
+    if isinstance(item, str):
+        return item
+    if isinstance(item, StepPayload):
+        return f"step {item.step}"
+    return {_Kpis: "KPIs", _Note: "a note", _Quantities: "instrument values",
+            _Anomalies: "anomaly findings"}.get(type(item), type(item).__name__)
+
+
+def _after_fork_in_child() -> None:
+    for writer in list(_live_writers):
+        writer._forked()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _to_float(v: Any) -> float | None:
