@@ -277,11 +277,13 @@ class Scope:
             rec = self._current
             # hooks_paused: an instrument re-running a module's forward is not the user's
             if rec is not None and rec.recording and not hooks_paused():
-                self._guard(self._record_output, rec, path, is_root, output)
+                self._guard(self._record_output, rec, path, is_root, output, inputs)
         return hook
 
-    def _record_output(self, rec: StepRecorder, path: str, is_root: bool, output: Any) -> None:
+    def _record_output(self, rec: StepRecorder, path: str, is_root: bool, output: Any,
+                       inputs: Any = ()) -> None:
         role = "output" if is_root else "activation"
+        input_tensors = tuple(t for _, t in named_leaves(inputs))
         for suffix, t in named_leaves(output):
             base = path + suffix
             count = rec._activation_counts.get((base, rec._iteration), 0)
@@ -291,6 +293,8 @@ class Scope:
                 continue  # the user registered this name explicitly
             rec.tensor(name, t, role=role, node=path, role_in_node=suffix.lstrip(".") or
                        "output")
+            if t.grad_fn is None and not t.requires_grad:  # autograd has no edge into it
+                rec._module_inputs[(name, rec._iteration)] = input_tensors
 
     # --- failures inside recording never stop training -------------------------------------
     def _guard(self, fn: Callable, *args: Any) -> Any:

@@ -73,6 +73,8 @@ class StepRecorder:
         self._copies: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._grads: dict[tuple[str, int], torch.Tensor] = {}
         self._activation_counts: dict[tuple[str, int], int] = {}
+        # inputs of module outputs without gradient: their only source of graph edges
+        self._module_inputs: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
         self._attachments: dict | None = None
         self._started = time.time()
 
@@ -215,7 +217,7 @@ class StepRecorder:
             self._infos[name] = TensorInfo(name, role, node, role_in_node, list(tensor.shape),
                                            str(tensor.dtype).replace("torch.", ""),
                                            batch_dim)
-        self._named.append(Named(name, it, tensor, role, node))
+        self._named.append(Named.of(name, it, tensor, role, node))
         self._record_values(name, "forward", it, tensor, batch_dim)
         if tensor.requires_grad:
             self._hooks.append(tensor.register_hook(self._grad_hook(name, it)))
@@ -276,7 +278,7 @@ class StepRecorder:
             self._attach_saved()  # no backward ran: saved tensors are still there
             param_nodes = {n: v[0] for n, v in self.scope._param_nodes.items()}
             bodies = build_graphs(self._named, self.scope._params, param_nodes, self._manual,
-                                  self._attachments or {})
+                                  self._attachments or {}, self._module_inputs)
             cached = [(it, graph_hash(body), json.dumps(body, separators=(",", ":")))
                       for it, body in sorted(bodies.items())]
             self.scope._graph_cache[key] = cached
