@@ -7,6 +7,7 @@ from torch import nn
 
 import deepscope
 from tests.helpers import edges, train_mlp
+from tests.zoo.models import BasicBlock  # ResNet's: conv-bn-relu(inplace)-conv-bn, += x
 
 
 def test_mlp_graph_exact(tmp_path):
@@ -180,31 +181,12 @@ def test_inplace_relu_is_a_link_not_a_dead_end(tmp_path):
         ("input", "0"), ("0", "1"), ("1", "2"), ("2", "model")}
 
 
-class BasicBlock(nn.Module):
-    """ResNet's basic block: conv-bn-relu(inplace)-conv-bn, out += identity, relu(inplace)."""
-
-    def __init__(self, c: int = 3) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c)
-
-    def forward(self, x):
-        identity = x
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out += identity
-        return self.relu(out)
-
-
 class TinyResNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.stem = nn.Conv2d(1, 3, 3, padding=1)
         self.act = nn.ReLU(inplace=True)
-        self.block = BasicBlock()
+        self.block = BasicBlock(3)
         self.head = nn.Linear(3 * 4 * 4, 2)
 
     def forward(self, x):
