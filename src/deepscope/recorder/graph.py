@@ -46,7 +46,10 @@ class Named:
                    tensor.requires_grad)
 
 
-def _region(t: torch.Tensor) -> tuple[int, int, int] | None:
+Region = tuple[int, int, int]
+
+
+def memory_region(t: torch.Tensor) -> Region | None:
     """(storage address, first byte, end byte) of the memory `t` reads, None if it has none."""
     if t.layout != torch.strided or t.numel() == 0 or t.device.type == "meta":
         return None
@@ -72,7 +75,7 @@ class _NoGradSources:
         self.by_storage: dict[int, list[tuple[int, int, int, Source]]] = {}
         for order, rec in enumerate(named):
             if rec.grad_fn is None and not rec.requires_grad:
-                region = _region(rec.tensor)
+                region = memory_region(rec.tensor)
                 if region is not None:
                     base, start, end = region
                     self.by_storage.setdefault(base, []).append(
@@ -83,9 +86,8 @@ class _NoGradSources:
     def __bool__(self) -> bool:
         return bool(self.by_storage)
 
-    def find(self, t: torch.Tensor, before: int | None = None) -> Source | None:
-        """The named tensor holding `t`'s memory (registered before number `before`)."""
-        region = _region(t)
+    def find(self, region: Region | None, before: int | None = None) -> Source | None:
+        """The named tensor holding `region` (one registered before number `before`)."""
         if region is None:
             return None
         base, start, end = region
@@ -112,7 +114,7 @@ def _saved_sources(node, sources: _NoGradSources) -> set:
             continue
         for t in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(t, torch.Tensor):
-                hit = sources.find(t)
+                hit = sources.find(memory_region(t))
                 if hit is not None:
                     found.add(hit)
     return found
@@ -196,12 +198,12 @@ def _no_grad_sources(named: list[Named], module_inputs: dict) -> dict[Source, se
             continue
         key = (rec.name, rec.iteration)
         t = rec.tensor
-        same = (_region(t), tuple(t.shape), t.stride(), t.dtype)
+        same = (memory_region(t), tuple(t.shape), t.stride(), t.dtype)
         if same[0] is not None and same in firsts:
             found[key] = {firsts[same]}
             continue
         firsts.setdefault(same, key)
-        hits = {sources.find(x, before=order) for x in module_inputs.get(key, ())}
+        hits = {sources.find(r, before=order) for r in module_inputs.get(key, ())}
         found[key] = hits - {None}
     return found
 
@@ -215,7 +217,8 @@ def build_graphs(named: list[Named], params: dict[str, torch.Tensor], param_node
     the number of iterations between source and target (0 within an iteration, None for
     parameters). `manual` holds (source, target, iteration) from `rec.connect`;
     `attachments` comes from `saved_attachments` (edges from inputs and targets);
-    `module_inputs` {(name, iteration): input tensors} of module outputs without gradient.
+    `module_inputs` {(name, iteration): `memory_region`s of the module's inputs} of module
+    outputs without gradient.
     """
     tensor_map: dict = {}
     leaf_map: dict[int, Source] = {id(p): (n, None) for n, p in params.items()}

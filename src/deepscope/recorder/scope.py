@@ -22,6 +22,7 @@ from ..naming import named_leaves
 from ..store.layout import check_run_name, rank_file, rank_files
 from ..store.writer import StoreWriter
 from .buffers import BufferPool
+from .graph import memory_region
 from .schedule import Schedule, as_schedule, every
 from .stats import DEFAULT_MAX_NEURONS
 from .step import StepRecorder
@@ -283,7 +284,6 @@ class Scope:
     def _record_output(self, rec: StepRecorder, path: str, is_root: bool, output: Any,
                        inputs: Any = ()) -> None:
         role = "output" if is_root else "activation"
-        input_tensors = tuple(t for _, t in named_leaves(inputs))
         for suffix, t in named_leaves(output):
             base = path + suffix
             count = rec._activation_counts.get((base, rec._iteration), 0)
@@ -294,7 +294,8 @@ class Scope:
             rec.tensor(name, t, role=role, node=path, role_in_node=suffix.lstrip(".") or
                        "output")
             if t.grad_fn is None and not t.requires_grad:  # autograd has no edge into it
-                rec._module_inputs[(name, rec._iteration)] = input_tensors
+                rec._module_inputs[(name, rec._iteration)] = tuple(
+                    memory_region(x) for _, x in named_leaves(inputs))
 
     # --- failures inside recording never stop training -------------------------------------
     def _guard(self, fn: Callable, *args: Any) -> Any:

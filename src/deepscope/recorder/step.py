@@ -13,7 +13,7 @@ import torch
 
 from ..hookstate import hooks_paused
 from ..store.writer import StepPayload, TensorInfo
-from .graph import Named, build_graphs, graph_hash, saved_attachments
+from .graph import Named, Region, build_graphs, graph_hash, saved_attachments
 from .summary import Capture, summarise_captures
 
 if TYPE_CHECKING:
@@ -73,8 +73,9 @@ class StepRecorder:
         self._copies: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._grads: dict[tuple[str, int], torch.Tensor] = {}
         self._activation_counts: dict[tuple[str, int], int] = {}
-        # inputs of module outputs without gradient: their only source of graph edges
-        self._module_inputs: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
+        # where the inputs of module outputs without gradient lie in memory: their only
+        # source of graph edges (addresses, so the inputs themselves can be freed)
+        self._module_inputs: dict[tuple[str, int], tuple[Region | None, ...]] = {}
         self._attachments: dict | None = None
         self._started = time.time()
 
