@@ -238,3 +238,15 @@ def test_frozen_block_keeps_its_edges(tmp_path):
         ("input", "0.0"), ("0.0", "0.1"), ("0.1", "0"),   # the frozen block, from its hooks
         ("0.1", "1"),                                      # block1 -> block2 (a saved view)
         ("1", "model")}
+    g = deepscope.open_run(tmp_path / "frozen").graph(0)
+    assert {e for e in edges(g) if e[0].endswith((".weight", ".bias"))} == {
+        ("0.0.weight", "0.0"), ("0.0.bias", "0.0"), ("1.weight", "1"), ("1.bias", "1")}
+
+
+def test_frozen_layer_between_trainable_ones_shows_its_parameters(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    model[1].requires_grad_(False)     # its output still has a gradient, its weights none
+    _module_edges(model, torch.randn(3, 4), tmp_path, "middle")
+    g = deepscope.open_run(tmp_path / "middle").graph(0)
+    assert {e for e in edges(g) if e[1] == "1"} == {("0", "1"), ("1.weight", "1"),
+                                                     ("1.bias", "1")}

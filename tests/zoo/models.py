@@ -305,8 +305,9 @@ CNN_GRAPH = _whole([("0", "1"), ("1", "2"), ("2", "3"), ("3", "4"), ("4", "5"), 
                    ["0.weight", "0.bias", "1.weight", "1.bias", "6.weight", "6.bias"])
 MLP_GRAPH = _whole([("0", "1"), ("1", "2"), ("2", "3")],
                    ["0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"])
-# The frozen block has no autograd node: its edges come from module inputs, and block 2's
-# Linear saved a 2-D view of block 1's 3-D output. Frozen parameters have no edges.
+# The frozen block has no autograd node: its edges come from its modules' inputs and
+# parameters, and block 2's Linear saved a 2-D view of block 1's 3-D output.
 FROZEN_GRAPH = _whole([("0.1", "0"), ("0.0", "0.1"), ("0.1", "1.0"), ("1.0", "1.1"),
                        ("1.1", "1"), ("1.1", "2")],
-                      ["1.0.weight", "1.0.bias", "2.weight", "2.bias"])
+                      ["0.0.weight", "0.0.bias", "1.0.weight", "1.0.bias", "2.weight",
+                       "2.bias"])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -47,6 +47,18 @@ class Named:
 
 
 Region = tuple[int, int, int]
+
+
+class ModuleCall(NamedTuple):
+    """What a module's forward hook saw that autograd cannot show for its output.
+
+    inputs: `memory_region` of each input tensor (for outputs without gradient; addresses, so
+    the inputs themselves can be freed). frozen: ids of the module's own parameters without
+    gradient (autograd has no edge from them).
+    """
+
+    inputs: tuple[Region | None, ...]
+    frozen: tuple[int, ...]
 
 
 def memory_region(t: torch.Tensor) -> Region | None:
@@ -182,7 +194,8 @@ def _frontier(start, tensor_map: dict, leaf_map: dict, attachments: dict,
     return memo[start]
 
 
-def _no_grad_sources(named: list[Named], module_inputs: dict) -> dict[Source, set]:
+def _no_grad_sources(named: list[Named], calls: dict[Source, ModuleCall]
+                     ) -> dict[Source, set]:
     """Incoming edges of named tensors without gradient (the outputs of frozen modules).
 
     Autograd records nothing for them, so edges come from the module's inputs seen by its
@@ -203,23 +216,25 @@ def _no_grad_sources(named: list[Named], module_inputs: dict) -> dict[Source, se
             found[key] = {firsts[same]}
             continue
         firsts.setdefault(same, key)
-        hits = {sources.find(r, before=order) for r in module_inputs.get(key, ())}
+        call = calls.get(key)
+        hits = {sources.find(r, before=order) for r in (call.inputs if call else ())}
         found[key] = hits - {None}
     return found
 
 
 def build_graphs(named: list[Named], params: dict[str, torch.Tensor], param_nodes: dict[str, str],
                  manual: list[tuple[str, str, int]], attachments: dict,
-                 module_inputs: dict | None = None) -> dict[int, dict]:
+                 module_calls: dict[Source, ModuleCall] | None = None) -> dict[int, dict]:
     """Return one graph body per iteration: {"tensors": [...], "edges": [...]}.
 
     tensors: {"name", "role", "node"}; edges: {"source", "target", "lag", "manual"} where lag is
     the number of iterations between source and target (0 within an iteration, None for
     parameters). `manual` holds (source, target, iteration) from `rec.connect`;
     `attachments` comes from `saved_attachments` (edges from inputs and targets);
-    `module_inputs` {(name, iteration): `memory_region`s of the module's inputs} of module
-    outputs without gradient.
+    `module_calls` {(name, iteration): ModuleCall} of module outputs (edges from frozen
+    modules' inputs and parameters).
     """
+    calls = module_calls or {}
     tensor_map: dict = {}
     leaf_map: dict[int, Source] = {id(p): (n, None) for n, p in params.items()}
     aliases: dict[Source, Source] = {}  # the same tensor under a second name (module output)
@@ -240,7 +255,7 @@ def build_graphs(named: list[Named], params: dict[str, torch.Tensor], param_node
             tensor_map.setdefault((current, rec.tensor.output_nr), (rec.name, rec.iteration))
     memo: dict = {}
     info = {(r.name, r.iteration): r for r in named}
-    no_grad = _no_grad_sources(named, module_inputs or {})
+    no_grad = _no_grad_sources(named, calls)
     by_iteration: dict[int, dict] = {}
     for rec in named:
         g = by_iteration.setdefault(rec.iteration, {"tensors": {}, "edges": {}})
@@ -252,6 +267,9 @@ def build_graphs(named: list[Named], params: dict[str, torch.Tensor], param_node
             sources = {alias}
         else:
             sources = _frontier(rec.grad_fn, tensor_map, leaf_map, attachments, memo)
+        call = calls.get((rec.name, rec.iteration))
+        if call is not None and alias is None:
+            sources = set(sources) | {leaf_map[i] for i in call.frozen if i in leaf_map}
         for src_name, src_iter in sources:
             if src_iter is None:
                 lag = None

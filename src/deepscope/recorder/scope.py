@@ -22,7 +22,7 @@ from ..naming import named_leaves
 from ..store.layout import check_run_name, rank_file, rank_files
 from ..store.writer import StoreWriter
 from .buffers import BufferPool
-from .graph import memory_region
+from .graph import ModuleCall, memory_region
 from .schedule import Schedule, as_schedule, every
 from .stats import DEFAULT_MAX_NEURONS
 from .step import StepRecorder
@@ -278,12 +278,13 @@ class Scope:
             rec = self._current
             # hooks_paused: an instrument re-running a module's forward is not the user's
             if rec is not None and rec.recording and not hooks_paused():
-                self._guard(self._record_output, rec, path, is_root, output, inputs)
+                self._guard(self._record_output, rec, path, is_root, output, module, inputs)
         return hook
 
     def _record_output(self, rec: StepRecorder, path: str, is_root: bool, output: Any,
-                       inputs: Any = ()) -> None:
+                       module: nn.Module, inputs: Any) -> None:
         role = "output" if is_root else "activation"
+        frozen = tuple(id(p) for p in module.parameters(recurse=False) if not p.requires_grad)
         for suffix, t in named_leaves(output):
             base = path + suffix
             count = rec._activation_counts.get((base, rec._iteration), 0)
@@ -293,9 +294,11 @@ class Scope:
                 continue  # the user registered this name explicitly
             rec.tensor(name, t, role=role, node=path, role_in_node=suffix.lstrip(".") or
                        "output")
-            if t.grad_fn is None and not t.requires_grad:  # autograd has no edge into it
-                rec._module_inputs[(name, rec._iteration)] = tuple(
-                    memory_region(x) for _, x in named_leaves(inputs))
+            no_grad = t.grad_fn is None and not t.requires_grad
+            if no_grad or frozen:  # edges autograd does not have
+                regions = tuple(memory_region(x) for _, x in named_leaves(inputs)
+                                ) if no_grad else ()
+                rec._module_calls[(name, rec._iteration)] = ModuleCall(regions, frozen)
 
     # --- failures inside recording never stop training -------------------------------------
     def _guard(self, fn: Callable, *args: Any) -> Any:

@@ -13,7 +13,7 @@ import torch
 
 from ..hookstate import hooks_paused
 from ..store.writer import StepPayload, TensorInfo
-from .graph import Named, Region, build_graphs, graph_hash, saved_attachments
+from .graph import ModuleCall, Named, build_graphs, graph_hash, saved_attachments
 from .summary import Capture, summarise_captures
 
 if TYPE_CHECKING:
@@ -73,9 +73,8 @@ class StepRecorder:
         self._copies: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._grads: dict[tuple[str, int], torch.Tensor] = {}
         self._activation_counts: dict[tuple[str, int], int] = {}
-        # where the inputs of module outputs without gradient lie in memory: their only
-        # source of graph edges (addresses, so the inputs themselves can be freed)
-        self._module_inputs: dict[tuple[str, int], tuple[Region | None, ...]] = {}
+        # what module hooks saw of frozen modules: autograd has no edges from it
+        self._module_calls: dict[tuple[str, int], ModuleCall] = {}
         self._attachments: dict | None = None
         self._started = time.time()
 
@@ -279,7 +278,7 @@ class StepRecorder:
             self._attach_saved()  # no backward ran: saved tensors are still there
             param_nodes = {n: v[0] for n, v in self.scope._param_nodes.items()}
             bodies = build_graphs(self._named, self.scope._params, param_nodes, self._manual,
-                                  self._attachments or {}, self._module_inputs)
+                                  self._attachments or {}, self._module_calls)
             cached = [(it, graph_hash(body), json.dumps(body, separators=(",", ":")))
                       for it, body in sorted(bodies.items())]
             self.scope._graph_cache[key] = cached
