@@ -60,35 +60,47 @@ def _reference(case: ZooCase, model: nn.Module, batches: list[Batch]) -> R.Batch
     return R.batch_reference(ref_model, losses)
 
 
-def train_case(case: ZooCase, path: Path, steps: int = STEPS) -> ZooRun:
+def build(case: ZooCase) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
+    """(the eager model, the one trained: compiled or the same, its SGD optimiser)."""
     torch.manual_seed(0)
     model = case.build()
     for prefix in case.frozen:
         model.get_submodule(prefix).requires_grad_(False)
     trained = torch.compile(model, backend="eager") if case.compiled else model
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    return model, trained, opt
+
+
+def train_step(case: ZooCase, trained: nn.Module, opt: torch.optim.Optimizer,
+               batches: list[Batch], rec=None) -> None:
+    """One optimiser step over the micro-batches (loss / k each), told to `rec` if given."""
+    opt.zero_grad()
+    for batch in batches:
+        with (torch.autocast("cpu", dtype=case.autocast) if case.autocast
+              else contextlib.nullcontext()):
+            losses = case.losses(trained, batch)
+        loss = losses.mean() / len(batches)
+        if rec is not None:
+            rec.loss(loss, per_sample=losses)
+        loss.backward()
+    opt.step()
+
+
+def train_case(case: ZooCase, path: Path, steps: int = STEPS) -> ZooRun:
+    model, trained, opt = build(case)
     scope = deepscope.Scope(path, case.name, schedule=deepscope.every(1), instruments="full",
                             instrument_options=CURVATURE)
     refs: dict[int, R.BatchRef] = {}
-    k = case.micro_batches
     with scope:
         scope.watch(trained, activations=True, optimizer=opt)
         for step in range(steps):
             model.train(step < case.train_steps)
-            batches = [case.batch(step, m) for m in range(k)]
+            batches = [case.batch(step, m) for m in range(case.micro_batches)]
             if step == steps - 1:
                 assert not model.training, "the checked step must be in eval mode"
                 refs[step] = _reference(case, model, batches)
             with scope.step(step) as rec:
-                opt.zero_grad()
-                for batch in batches:
-                    with (torch.autocast("cpu", dtype=case.autocast) if case.autocast
-                          else contextlib.nullcontext()):
-                        losses = case.losses(trained, batch)
-                    loss = losses.mean() / k
-                    rec.loss(loss, per_sample=losses)
-                    loss.backward()
-                opt.step()
+                train_step(case, trained, opt, batches, rec)
     return ZooRun(case, deepscope.open_run(path / case.name), refs, steps)
 
 
