@@ -71,6 +71,16 @@ def _params(check: str) -> list:
 _RUNS: dict[str, ZooRun | Exception] = {}
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One torch thread: these models are tiny, and on a busy machine a second thread spins
+    waiting for a core (the zoo ran 6x slower with two threads under load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def zoo(tmp_path_factory):
     """Train a case once for all three checks (a failed training fails each of them)."""
