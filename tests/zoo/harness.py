@@ -105,10 +105,11 @@ def train_case(case: ZooCase, path: Path, steps: int = STEPS) -> ZooRun:
 
 
 # -- checks ---------------------------------------------------------------------------------
-def block_edges(zr: ZooRun, step: int | None = None) -> set[tuple[str, str]]:
-    """The graph's edges into the case's block (its modules' outputs and its own output)."""
+def block_edges(zr: ZooRun, iteration: int = 0) -> set[tuple[str, str]]:
+    """The last step's edges into the case's block (its modules' outputs and its own output),
+    in one iteration (micro-batch m of an accumulated step is iteration m)."""
     block = zr.case.block
-    g = zr.run.graph(zr.steps - 1 if step is None else step)
+    g = zr.run.graph(zr.steps - 1, iteration=iteration)
     return {(e["source"], e["target"]) for e in g["edges"]
             if not block or e["target"] == block or e["target"].startswith(block + ".")}
 
