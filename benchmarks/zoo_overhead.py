@@ -61,7 +61,8 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    print(f"{'model':15} {'plain s/step':>12} {'economy':>9} {'full':>9}")
+    print(f"{'model':15} {'plain ms/step':>13} {'economy ms (x plain)':>21} "
+          f"{'full ms (x plain)':>19}")
     with tempfile.TemporaryDirectory() as root:
         for name in args.names:
             runs: dict[str, list[float]] = {c: [] for c in CONFIGS}
@@ -72,9 +73,9 @@ def main(argv: list[str]) -> None:
             except Exception as exc:  # noqa: BLE001 - one line per model, the run goes on
                 print(f"{name:15} error: {type(exc).__name__}: {str(exc).splitlines()[0]}")
                 continue
-            plain = statistics.median(runs["plain"])
-            ratios = [statistics.median(runs[c]) / plain for c in CONFIGS[1:]]
-            print(f"{name:15} {plain:12.4f} {ratios[0]:8.1f}x {ratios[1]:8.1f}x", flush=True)
+            ms = {c: 1e3 * statistics.median(runs[c]) for c in CONFIGS}
+            cells = [f"{ms[c]:.1f} ({ms[c] / ms['plain']:.0f}x)" for c in CONFIGS[1:]]
+            print(f"{name:15} {ms['plain']:13.2f} {cells[0]:>21} {cells[1]:>19}", flush=True)
 
 
 if __name__ == "__main__":
