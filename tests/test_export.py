@@ -34,6 +34,31 @@ def test_parquet_tables_match_query_api(run_path, tmp_path):
     assert len(stats) == len(run.stats_wide()) and stats["step"].unique().tolist() == [0, 2]
     q = pd.read_parquet(tmp_path / "pq" / "quantities.parquet")
     assert set(q["name"]) == {"GradNorm", "GradHist1d"}
+    assert list(q.columns) == ["step", "name", "layer", "value", "meta"]
+
+
+def test_quantity_metadata_flattened_into_columns(run_path):
+    q = deepscope.open_run(run_path).quantities().set_index("name")
+    assert list(q.columns) == ["step", "layer", "value", "edges", "estimator", "nan",
+                               "neginf", "overflow", "posinf", "underflow", "meta"]
+    assert q.loc["GradNorm", "estimator"] == "exact" and q.loc["GradHist1d", "underflow"] == 3
+    assert np.isnan(q.loc["GradNorm", "underflow"])   # a key this row does not have
+    assert q.loc["GradHist1d", "edges"] == [-2.0, 2.0, 4]
+    assert q.loc["GradNorm", "meta"] == {"estimator": "exact"}   # the dict column is kept
+
+
+def test_quantity_metadata_nested_and_clashing_keys(tmp_path):
+    with deepscope.Scope(tmp_path, "r", schedule=deepscope.never) as scope:
+        scope.writer.submit_quantities([
+            QuantityValue("Alpha", 0, "", 0.5, meta={"fit": {"tau": 0.1}, "value": 7}),
+            QuantityValue("Loss", 0, "", 1.0)])
+    q = deepscope.open_run(tmp_path / "r").quantities()
+    assert list(q.columns) == ["step", "name", "layer", "value", "fit.tau", "meta.value",
+                               "meta"]
+    assert q["value"].tolist() == [0.5, 1.0] and q["meta.value"].tolist()[0] == 7
+    assert q["fit.tau"].tolist()[0] == 0.1 and q["meta"].tolist()[1] == {}
+    empty = deepscope.open_run(tmp_path / "r").quantities("nothing")
+    assert list(empty.columns) == ["step", "name", "layer", "value", "meta"] and empty.empty
 
 
 def test_tensorboard_events_readable_by_tensorboard(run_path, tmp_path):

@@ -7,6 +7,7 @@ from torch import nn
 
 import deepscope
 from tests.helpers import edges, train_mlp
+from tests.zoo.models import BasicBlock  # ResNet's: conv-bn-relu(inplace)-conv-bn, += x
 
 
 def test_mlp_graph_exact(tmp_path):
@@ -159,3 +160,93 @@ def test_graph_structure_cached_not_rewalked(tmp_path, monkeypatch):
     assert len(calls) == 1
     run = deepscope.open_run(tmp_path / "cache")
     assert edges(run.graph(0)) == edges(run.graph(4))
+
+
+def _module_edges(model: nn.Module, x: torch.Tensor, tmp_path, name: str) -> set:
+    """Edges between activations (parameters left out) of one recorded step of `model`."""
+    with deepscope.Scope(tmp_path, name, schedule=deepscope.every(1)) as scope:
+        scope.watch(model, activations=True)
+        with scope.step(0) as rec:
+            rec.tensor("input", x, role="input")
+            out = model(x)
+            if out.requires_grad:
+                out.sum().backward()
+    g = deepscope.open_run(tmp_path / name).graph(0)
+    return {e for e in edges(g) if not e[0].endswith((".weight", ".bias"))}
+
+
+def test_inplace_relu_is_a_link_not_a_dead_end(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    assert _module_edges(model, torch.randn(3, 4), tmp_path, "seq") == {
+        ("input", "0"), ("0", "1"), ("1", "2"), ("2", "model")}
+
+
+class TinyResNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, 3, 3, padding=1)
+        self.act = nn.ReLU(inplace=True)
+        self.block = BasicBlock(3)
+        self.head = nn.Linear(3 * 4 * 4, 2)
+
+    def forward(self, x):
+        return self.head(self.block(self.act(self.stem(x))).flatten(1))
+
+
+# The exact edges of a basic block; ReLU is called twice, so its second output is "relu#2".
+RESNET_BLOCK_EDGES = {
+    ("input", "stem"), ("stem", "act"),
+    ("act", "block.conv1"), ("block.conv1", "block.bn1"), ("block.bn1", "block.relu"),
+    ("block.relu", "block.conv2"), ("block.conv2", "block.bn2"),
+    ("block.bn2", "block.relu#2"), ("act", "block.relu#2"),  # out += identity, then relu
+    ("block.relu#2", "block"), ("block.relu#2", "head"), ("head", "model"),
+}
+
+
+def test_resnet_basic_block_edges_exact_through_inplace_ops(tmp_path):
+    edges_ = _module_edges(TinyResNet(), torch.randn(2, 1, 4, 4), tmp_path, "resnet")
+    assert edges_ == RESNET_BLOCK_EDGES
+
+
+def test_view_of_tensor_changed_in_place_keeps_its_consumers(tmp_path):
+    l1, l2 = nn.Linear(4, 4), nn.Linear(4, 2)
+    with deepscope.Scope(tmp_path, "view", schedule=deepscope.every(1)) as scope:
+        with scope.step(0) as rec:
+            x = torch.randn(3, 4)
+            rec.tensor("x", x, role="input")
+            h = l1(x)
+            rec.tensor("h", h)
+            w = h.view(3, 2, 2)
+            rec.tensor("w", w)
+            h.relu_()                   # changes w too: w's grad_fn is rebuilt
+            out = l2(h)
+            rec.tensor("out", out)
+            out2 = (w * 3).sum()
+            rec.tensor("out2", out2)
+            (out.sum() + out2).backward()
+    g = deepscope.open_run(tmp_path / "view").graph(0)
+    assert {e for e in edges(g) if "." not in e[0]} == {
+        ("x", "h"), ("h", "w"), ("h", "out"), ("w", "out2")}
+
+
+def test_frozen_block_keeps_its_edges(tmp_path):
+    # A frozen block on an input without gradient has no autograd node at all; the next
+    # Linear sees 3-D input and saves a 2-D view of the block's output.
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    assert _module_edges(model, torch.randn(2, 3, 4), tmp_path, "frozen") == {
+        ("input", "0.0"), ("0.0", "0.1"), ("0.1", "0"),   # the frozen block, from its hooks
+        ("0.1", "1"),                                      # block1 -> block2 (a saved view)
+        ("1", "model")}
+    g = deepscope.open_run(tmp_path / "frozen").graph(0)
+    assert {e for e in edges(g) if e[0].endswith((".weight", ".bias"))} == {
+        ("0.0.weight", "0.0"), ("0.0.bias", "0.0"), ("1.weight", "1"), ("1.bias", "1")}
+
+
+def test_frozen_layer_between_trainable_ones_shows_its_parameters(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    model[1].requires_grad_(False)     # its output still has a gradient, its weights none
+    _module_edges(model, torch.randn(3, 4), tmp_path, "middle")
+    g = deepscope.open_run(tmp_path / "middle").graph(0)
+    assert {e for e in edges(g) if e[1] == "1"} == {("0", "1"), ("1.weight", "1"),
+                                                     ("1.bias", "1")}

@@ -23,7 +23,9 @@ def export_parquet(run: Run, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     quantities = run.quantities()
-    quantities["meta"] = [json.dumps(m) for m in quantities["meta"]]
+    # The flattened metadata columns mix lists, numbers and text: Parquet gets the JSON.
+    quantities = quantities[["step", "name", "layer", "value"]].assign(
+        meta=[json.dumps(m) for m in quantities["meta"]])
     tensors = run.tensors()
     tensors["shape"] = [json.dumps(s) for s in tensors["shape"]]
     frames = {"tensors": tensors, "stats": run.stats_wide(), "kpis": run.kpis(),

@@ -212,8 +212,14 @@ class Run:
 
     def quantities(self, name: str | None = None, layer: str | None = None,
                    rank: int = 0) -> pd.DataFrame:
-        """Instrument values: step, name, layer ("" = whole model), value, plus meta columns
-        (estimator, samples, reason, ...) flattened. value is NaN when missing."""
+        """Instrument values: one row per (name, layer, step), value NaN when missing.
+
+        Columns: step, name, layer ("" = whole model), value, then one column per metadata
+        key (estimator, samples, reason, ...; nested keys joined by ".", e.g. "Alpha.tau";
+        a key named like a base column gets the prefix "meta."), None/NaN where a row lacks
+        the key, and last `meta`: the row's metadata as one dict, kept for code written when
+        it was the only metadata column.
+        """
         where, args = [], []
         for col, val in (("name", name), ("layer", layer)):
             if val is not None:
@@ -224,13 +230,19 @@ class Run:
             sql += " WHERE " + " AND ".join(where)
         r = self._r(rank)
         rows = r.query(sql + " ORDER BY name, layer, step", args)
+        base = ["step", "name", "layer", "value"]
+        metas = []
         records = []
         for step, qname, qlayer, value, meta in rows:
             m = r.decode_json(meta, "quantity metadata")
-            records.append({"step": step, "name": qname, "layer": qlayer,
-                            "value": np.nan if value is None else float(value),
-                            "meta": m if isinstance(m, dict) else {}})
-        return pd.DataFrame(records, columns=["step", "name", "layer", "value", "meta"])
+            metas.append(m if isinstance(m, dict) else {})
+            records.append((step, qname, qlayer, np.nan if value is None else float(value)))
+        df = pd.DataFrame(records, columns=base)
+        flat = pd.json_normalize(metas) if metas else pd.DataFrame(index=df.index)
+        flat = flat.rename(columns={c: f"meta.{c}" for c in flat.columns if c in (*base, "meta")})
+        df = pd.concat([df, flat[sorted(flat.columns)]], axis=1)
+        df["meta"] = pd.Series(metas, index=df.index, dtype=object)
+        return df
 
     def histogram(self, name: str, step: int, layer: str = "",
                   rank: int = 0) -> tuple[np.ndarray, dict[str, Any]]:

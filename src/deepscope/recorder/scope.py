@@ -22,6 +22,7 @@ from ..naming import named_leaves
 from ..store.layout import check_run_name, rank_file, rank_files
 from ..store.writer import RunLock, StoreWriter
 from .buffers import BufferPool
+from .graph import ModuleCall, memory_region
 from .schedule import Schedule, as_schedule, every
 from .stats import DEFAULT_MAX_NEURONS
 from .step import StepRecorder, check_text, unrecordable
@@ -306,11 +307,13 @@ class Scope:
             rec = self._current
             # hooks_paused: an instrument re-running a module's forward is not the user's
             if rec is not None and rec.recording and not hooks_paused():
-                self._guard(self._record_output, rec, path, is_root, output)
+                self._guard(self._record_output, rec, path, is_root, output, module, inputs)
         return hook
 
-    def _record_output(self, rec: StepRecorder, path: str, is_root: bool, output: Any) -> None:
+    def _record_output(self, rec: StepRecorder, path: str, is_root: bool, output: Any,
+                       module: nn.Module, inputs: Any) -> None:
         role = "output" if is_root else "activation"
+        frozen = tuple(id(p) for p in module.parameters(recurse=False) if not p.requires_grad)
         for suffix, t in named_leaves(output):
             if reason := unrecordable(t):  # e.g. a sparse output: the other outputs go on
                 self._warn_once(f"activation {path + suffix}: {reason}; it is not recorded")
@@ -323,6 +326,11 @@ class Scope:
                 continue  # the user registered this name explicitly
             rec.tensor(name, t, role=role, node=path, role_in_node=suffix.lstrip(".") or
                        "output")
+            no_grad = t.grad_fn is None and not t.requires_grad
+            if no_grad or frozen:  # edges autograd does not have
+                regions = tuple(memory_region(x) for _, x in named_leaves(inputs)
+                                ) if no_grad else ()
+                rec._module_calls[(name, rec._iteration)] = ModuleCall(regions, frozen)
 
     # --- failures inside recording never stop training -------------------------------------
     def _warn_once(self, message: str) -> None:

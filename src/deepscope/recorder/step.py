@@ -13,7 +13,7 @@ import torch
 
 from ..hookstate import hooks_paused
 from ..store.writer import StepPayload, TensorInfo
-from .graph import Named, build_graphs, graph_hash, saved_attachments
+from .graph import ModuleCall, Named, build_graphs, graph_hash, saved_attachments
 from .summary import Capture, summarise_captures
 
 if TYPE_CHECKING:
@@ -117,6 +117,8 @@ class StepRecorder:
         self._copies: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._grads: dict[tuple[str, int], torch.Tensor] = {}
         self._activation_counts: dict[tuple[str, int], int] = {}
+        # what module hooks saw of frozen modules: autograd has no edges from it
+        self._module_calls: dict[tuple[str, int], ModuleCall] = {}
         self._attachments: dict | None = None
         self._started = time.time()
 
@@ -264,7 +266,7 @@ class StepRecorder:
             self._infos[name] = TensorInfo(name, role, node, role_in_node, list(tensor.shape),
                                            str(tensor.dtype).replace("torch.", ""),
                                            batch_dim)
-        self._named.append(Named(name, it, tensor, role, node))
+        self._named.append(Named.of(name, it, tensor, role, node))
         self._record_values(name, "forward", it, tensor, batch_dim)
         if tensor.requires_grad:
             self._hooks.append(tensor.register_hook(self._grad_hook(name, it)))
@@ -328,7 +330,7 @@ class StepRecorder:
             self._attach_saved()  # no backward ran: saved tensors are still there
             param_nodes = {n: v[0] for n, v in self.scope._param_nodes.items()}
             bodies = build_graphs(self._named, self.scope._params, param_nodes, self._manual,
-                                  self._attachments or {})
+                                  self._attachments or {}, self._module_calls)
             cached = [(it, graph_hash(body), json.dumps(body, separators=(",", ":")))
                       for it, body in sorted(bodies.items())]
             self.scope._graph_cache[key] = cached
