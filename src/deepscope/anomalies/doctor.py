@@ -1,4 +1,5 @@
-"""`deepscope doctor`: a text report of a run's anomaly findings and where to look in the GUI."""
+"""`deepscope doctor`: a run's diagnoses (deepscope.diagnosis), then its anomaly findings and
+where to look in the GUI."""
 
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ def report(path: str | Path, rank: int = 0, limit: int = 10) -> str:
 
 
 def _run_report(run: Run, rank: int, limit: int) -> str:
+    from ..diagnosis.report import diagnosis_text  # diagnoses first, the findings below
+    return diagnosis_text(run, rank) + "\n\n" + _findings_report(run, rank, limit)
+
+
+def _findings_report(run: Run, rank: int, limit: int) -> str:
     found = run.anomalies(rank)
     head = f"run {run.name} ({run.path}, rank {rank})"
     if found.empty:

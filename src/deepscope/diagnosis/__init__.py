@@ -8,8 +8,11 @@ findings, the dependency graph) and returns `Diagnosis` rows, most likely first;
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pandas as pd
 
+from ..errors import DeepscopeError
 from ..query.run import Run
 from .activations import bad_input_scale, dead_units, saturation
 from .base import THRESHOLD, Diagnosis, Evidence, Missing
@@ -27,12 +30,37 @@ COLUMNS = ["code", "confidence", "step", "where", "summary", "evidence", "fix"]
 def examine(run: Run, rank: int = 0) -> tuple[list[Diagnosis], list[Missing]]:
     """Every diagnosis (any confidence), most likely first, and the evidence that was missing."""
     ev = Evidence(run, rank)
-    saturated = saturation(ev)
-    found = [*non_finite(ev), *learning_rate(ev), *missing_zero_grad(ev), *noisy_batch(ev),
-             *gradient_scale(ev), *not_updated(ev), *dead_units(ev), *saturated,
-             *bad_input_scale(ev, saturated)]
+    checks: list[tuple[tuple[str, ...], Callable[[], list[Diagnosis]]]] = [
+        (("non_finite",), lambda: non_finite(ev)),
+        (("lr_too_high", "lr_too_low", "not_learning"), lambda: learning_rate(ev)),
+        (("missing_zero_grad",), lambda: missing_zero_grad(ev)),
+        (("noisy_batch",), lambda: noisy_batch(ev)),
+        (("exploding_gradients", "vanishing_gradients"), lambda: gradient_scale(ev)),
+        (("not_updated",), lambda: not_updated(ev)),
+        (("dead_units",), lambda: dead_units(ev)),
+        (("saturation",), lambda: saturation(ev)),
+    ]
+    found: list[Diagnosis] = []
+    for codes, check in checks:
+        found += _guarded(ev, codes, check)
+    saturated = [d for d in found if d.code == "saturation"]
+    found += _guarded(ev, ("bad_input_scale",), lambda: bad_input_scale(ev, saturated))
     found.sort(key=lambda d: (-d.confidence, CODES.index(d.code), d.where))
     return found, ev.missing
+
+
+def _guarded(ev: Evidence, codes: tuple[str, ...],
+             check: Callable[[], list[Diagnosis]]) -> list[Diagnosis]:
+    """Run one check; an unexpected failure becomes a loud note, not a lost report (a
+    damaged file still raises)."""
+    try:
+        return check()
+    except DeepscopeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported to the user, with the error
+        ev.missing.append(Missing(codes, f"the check failed ({type(exc).__name__}: {exc}); "
+                                  "please report it", ""))
+        return []
 
 
 def diagnose(run: Run, rank: int = 0, threshold: float = THRESHOLD) -> list[Diagnosis]:

@@ -28,10 +28,12 @@ def dead_units(ev: Evidence) -> list[Diagnosis]:
     acts = _activations(ev)
     out: list[Diagnosis] = []
     judged = False
+    computed = {t for _, t in ev.edges}
     for name in acts:
         rec = ev.records(name)
-        if len(rec) < 2 or rec["min"].min() < 0 or not (rec["zero_frac"] > 0).any():
-            continue  # not ReLU-like: its zeros mean nothing
+        if (len(rec) < 2 or rec["min"].min() < 0 or not (rec["zero_frac"] > 0).any()
+                or (ev.edges and name not in computed)):
+            continue  # not ReLU-like, or a leaf (a zero initial state): zeros mean nothing
         steps = rec["step"].to_numpy()
         fracs = []
         for step in steps[_late(steps)]:
@@ -120,7 +122,8 @@ def saturation(ev: Evidence) -> list[Diagnosis]:
                 "scale the layer's inputs/initialisation down or add normalisation before "
                 "the nonlinearity"))
     losses = set(ev.role("loss"))
-    feeds = sorted({s for s, t in ev.edges if t in losses} - losses)
+    shaped = set(ev.role("activation")) | set(ev.role("output"))
+    feeds = sorted({s for s, t in ev.edges if t in losses} & shaped)
     for name in feeds:
         rec = ev.wide[(ev.wide["tensor"] == name) & (ev.wide["direction"] == "forward")]
         if rec.empty:

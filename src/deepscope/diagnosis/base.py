@@ -43,7 +43,8 @@ class Diagnosis:
 
 @dataclass(frozen=True)
 class Missing:
-    """Evidence a family of diagnoses needs that the run did not record."""
+    """Evidence a family of diagnoses needs that the run did not record: `what`, and the
+    `setting` that would gather it ("" when the check itself failed; `what` says how)."""
 
     codes: tuple[str, ...]
     what: str
@@ -127,8 +128,9 @@ class Evidence:
         """One instrument's finite values by step (empty if not recorded)."""
         q = self.quantities
         q = q[(q["name"] == name) & (q["layer"] == layer)]
-        q = q[np.isfinite(q["value"])]
-        return pd.Series(q["value"].to_numpy(), index=q["step"].to_numpy(), dtype=float)
+        values = q["value"].to_numpy(dtype=float)
+        keep = np.isfinite(values)
+        return pd.Series(values[keep], index=q["step"].to_numpy()[keep], dtype=float)
 
     @cached_property
     def params(self) -> list[str]:
@@ -137,11 +139,20 @@ class Evidence:
 
     @cached_property
     def edges(self) -> list[tuple[str, str]]:
-        """Edges of the dependency graph of the last recorded step ([] without one)."""
-        try:
-            return [(e["source"], e["target"]) for e in self.run.graph(rank=self.rank)["edges"]]
-        except ValueError:
+        """Edges of the dependency graph of the last recorded step, all its iterations
+        ([] without one)."""
+        steps = self.run.step_table(self.rank)
+        if steps.empty:
             return []
+        last = steps.iloc[-1]
+        edges: set[tuple[str, str]] = set()
+        for it in range(int(last["iterations"])):
+            try:
+                graph = self.run.graph(int(last["step"]), iteration=it, rank=self.rank)
+            except ValueError:
+                continue
+            edges |= {(e["source"], e["target"]) for e in graph["edges"]}
+        return sorted(edges)
 
     @cached_property
     def batch_size(self) -> int | None:

@@ -130,13 +130,15 @@ def gradient_scale(ev: Evidence) -> list[Diagnosis]:
             "scale the initialisation down (Kaiming/Xavier for the activation) or normalise "
             "the activations, and clip gradients"))
     for name in names:
-        steps, norms, _ = rel[name]
+        steps, norms, r = rel[name]
         if len(norms) < 3 or any(d.where == name for d in out):
             continue
         start = float(np.median(norms[:3]))
         growth = norms / start if start > 0 else np.full_like(norms, math.nan)
-        grown = growth >= GROWTH
-        if grown.any():
+        # grown, and large against the weight: not a path that merely starts being used
+        grown = (growth >= GROWTH) & (r >= 1.0)
+        tail = grown[-max(1, len(grown) // 3):]
+        if tail.mean() >= 0.5:  # sustained over the last third, not a spike
             peak = float(np.nanmax(growth))
             conf = combine(ramp(math.log10(peak), 2, 4, 0.55, 0.9),
                            0.3 if name in flagged else 0.0)

@@ -156,7 +156,7 @@ def noisy_batch(ev: Evidence) -> list[Diagnosis]:
     about B·T² / (1 − T²)."""
     test = ev.quantity("NormTest")
     if test.empty:
-        ev.need(("noisy_batch",), "the norm test (instruments)",
+        ev.need(("noisy_batch",), "norm test (instruments)",
                 "Scope(..., instruments='economy') (or ['NormTest'])")
         return []
     med = float(test.median())
