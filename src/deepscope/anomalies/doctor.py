@@ -23,7 +23,7 @@ _WHERE = {
     "dead_units": "Graph tab: node {tensor}, its per-neuron values at a recorded step",
     "update_ratio": "Instruments tab, UpdateSize of layer {tensor}",
 }
-_DEFAULT_WHERE = "Anomalies tab, step {step}, tensor {tensor}"
+_DEFAULT_WHERE = "Diagnosis tab (findings), step {step}, tensor {tensor}"
 
 
 def report(path: str | Path, rank: int = 0, limit: int = 10) -> str:
@@ -83,8 +83,8 @@ def _findings_report(run: Run, rank: int, limit: int) -> str:
         if len(rows) > limit:
             lines.append(f"  ... {len(rows) - limit} more (deepscope.open_run(path)"
                          ".anomalies() has them all)")
-    lines += ["", f"GUI: deepscope serve {run.path.parent} → run {run.name} → Anomalies tab "
-              "lists every finding."]
+    lines += ["", f"GUI: deepscope serve {run.path.parent} → run {run.name} → Diagnosis "
+              "tab: diagnoses (each row opens its step and node), then every finding."]
     return "\n".join(lines)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 from .base import Diagnosis, Evidence, combine, first_step, fmt, ramp
 
 DEAD = 0.4        # share of units zero for every batch item that starts to count
-PINNED = 0.8      # saturation index (1 = every value at a bound) that starts to count
+PINNED = 0.7      # saturation index (1 = every value at a bound) that starts to count
 SQUASHED = 0.05   # one side of an output pre-activation this much smaller than the other
 INPUT_RMS = (0.01, 10.0)  # RMS of a float input outside this range is far from unit scale
 
@@ -140,8 +140,9 @@ def saturation(ev: Evidence) -> list[Diagnosis]:
         out.append(Diagnosis(
             "saturation", ramp(share, 0.8, 1.0, 0.6, 0.95), first_step(rec["step"], hit),
             name,
-            f"{name} feeds the loss but is one-sided: its weaker sign averages {fmt(level)}× "
-            f"the magnitude of the other in {share:.0%} of {int(known.sum())} records",
+            f"{name} feeds the loss but is one-sided: its weaker sign is {fmt(level)}× the "
+            f"other (mean magnitude and extreme, median) in {share:.0%} of "
+            f"{int(known.sum())} records",
             {"side_ratio": level, "records_one_sided": int(hit.sum()),
              "records": int(known.sum())},
             f"remove the activation (ReLU/leaky ReLU) applied to {name}: the output layer "
@@ -155,7 +156,7 @@ def bad_input_scale(ev: Evidence, saturated: list[Diagnosis]) -> list[Diagnosis]
     dtypes = dict(zip(ev.tensors["name"], ev.tensors["dtype"]))
     inputs = [n for n in ev.role("input") if "float" in str(dtypes.get(n, ""))]
     if not inputs:
-        ev.need(("bad_input_scale",), "a floating-point input record",
+        ev.need(("bad_input_scale",), "floating-point input record",
                 "rec.tensor('input', x, role='input') in the step")
         return []
     out: list[Diagnosis] = []

@@ -99,7 +99,7 @@ class Evidence:
         the first iteration's row, which is the only one for most tensors)."""
         w = self.wide
         rows = w[(w["tensor"] == tensor) & (w["direction"] == direction)]
-        return rows.groupby("step", sort=True).first().reset_index()
+        return rows.drop_duplicates("step").reset_index(drop=True)  # sorted by step already
 
     @cached_property
     def anomalies(self) -> pd.DataFrame:

@@ -79,7 +79,7 @@ def learning_rate(ev: Evidence) -> list[Diagnosis]:
     """lr_too_high / lr_too_low / not_learning from the loss curve, α and the update ratio."""
     shape = LossShape(ev.loss)
     if not shape.ok:
-        ev.need(("lr_too_high", "lr_too_low", "not_learning"), "the loss on 10 or more steps",
+        ev.need(("lr_too_high", "lr_too_low", "not_learning"), "loss on 10 or more steps",
                 "rec.loss(loss) in every step")
         return []
     alpha, ratio = ev.quantity("Alpha"), _update_ratio(ev)
