@@ -75,7 +75,8 @@ def _steady(ratios: list[float], falling: bool) -> bool:
 
 def gradient_scale(ev: Evidence) -> list[Diagnosis]:
     """exploding_gradients / vanishing_gradients per layer: through depth (a weight's relative
-    gradient against the last weight's) and over time (a gradient norm against its start)."""
+    gradient ‖g‖/‖θ‖ against the median over weights), in absolute terms (a gradient larger
+    than its weight) and over time (a gradient norm against its start)."""
     rel = _relative_grads(ev)
     if len(rel) < 1 or all(len(v[0]) < 3 for v in rel.values()):
         ev.need(("exploding_gradients", "vanishing_gradients"),
