@@ -118,3 +118,16 @@ def test_bad_steps_is_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixtu
     err = capsys.readouterr().err
     assert "steps must be an integer >= 10" in err and "Traceback" not in err
     assert not any(tmp_path.iterdir())  # nothing recorded
+
+
+def test_doctor_names_the_tutorial_bug(demo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with deepscope.open_run(demo / "bugged") as bugged, deepscope.open_run(demo / "fixed") as fixed:
+        found, clean = bugged.diagnoses(), fixed.diagnoses()
+    assert list(found.columns[:4]) == ["code", "confidence", "step", "where"]
+    assert (found.iloc[0]["code"], found.iloc[0]["where"]) == ("saturation", "out.pre_sigmoid")
+    assert found.iloc[0]["evidence"]["side_ratio"] < 0.05
+    assert clean.empty, clean[["code", "where", "summary"]].to_string()
+    assert main(["doctor", str(demo / "bugged")]) == 0
+    out = capsys.readouterr().out
+    assert "1. saturation" in out and "out.pre_sigmoid" in out
+    assert out.index("DIAGNOSIS") < out.index("finding")  # low-level findings stay below

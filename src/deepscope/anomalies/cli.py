@@ -15,8 +15,8 @@ def _doctor_args(p: argparse.ArgumentParser) -> None:
                    help="findings listed per detector (default 10)")
 
 
-@verb("doctor", "report a run's anomalies (first NaN/Inf, spikes, dead units) and where to "
-      "look", _doctor_args)
+@verb("doctor", "name a run's likely bug (ranked diagnoses with evidence and a fix), then its "
+      "anomalies (first NaN/Inf, spikes, dead units) and where to look", _doctor_args)
 def doctor_cmd(args: argparse.Namespace) -> int:
     if args.limit < 1:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")

@@ -1,4 +1,5 @@
-"""`deepscope doctor`: a text report of a run's anomaly findings and where to look in the GUI."""
+"""`deepscope doctor`: a run's diagnoses (deepscope.diagnosis), then its anomaly findings and
+where to look in the GUI."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ _WHERE = {
     "dead_units": "Graph tab: node {tensor}, its per-neuron values at a recorded step",
     "update_ratio": "Instruments tab, UpdateSize of layer {tensor}",
 }
-_DEFAULT_WHERE = "Anomalies tab, step {step}, tensor {tensor}"
+_DEFAULT_WHERE = "Diagnosis tab (findings), step {step}, tensor {tensor}"
 
 
 def report(path: str | Path, rank: int = 0, limit: int = 10) -> str:
@@ -45,6 +46,11 @@ def report(path: str | Path, rank: int = 0, limit: int = 10) -> str:
 
 
 def _run_report(run: Run, rank: int, limit: int) -> str:
+    from ..diagnosis.report import diagnosis_text  # diagnoses first, the findings below
+    return diagnosis_text(run, rank) + "\n\n" + _findings_report(run, rank, limit)
+
+
+def _findings_report(run: Run, rank: int, limit: int) -> str:
     found = run.anomalies(rank)
     head = f"run {run.name} ({run.path}, rank {rank})"
     if found.empty:
@@ -77,8 +83,8 @@ def _run_report(run: Run, rank: int, limit: int) -> str:
         if len(rows) > limit:
             lines.append(f"  ... {len(rows) - limit} more (deepscope.open_run(path)"
                          ".anomalies() has them all)")
-    lines += ["", f"GUI: deepscope serve {run.path.parent} → run {run.name} → Anomalies tab "
-              "lists every finding."]
+    lines += ["", f"GUI: deepscope serve {run.path.parent} → run {run.name} → Diagnosis "
+              "tab: diagnoses (each row opens its step and node), then every finding."]
     return "\n".join(lines)
 
 

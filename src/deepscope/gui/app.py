@@ -7,7 +7,7 @@ from pathlib import Path
 import dash
 from dash import Input, Output, html
 
-from . import explorer, instruments, overview
+from . import diagnosis, explorer, instruments, overview
 from .data import ProjectData
 from .layout import empty_page, page
 
@@ -42,6 +42,7 @@ def create_app(project_path: str | Path) -> dash.Dash:
     explorer.register(app, project)
     instruments.register(app, project)
     overview.register(app, project)
+    diagnosis.register(app, project)
 
     @app.callback(Output("location", "href"), Input("empty-poll", "n_intervals"))
     def _open_when_runs_appear(_n: int | None) -> str:

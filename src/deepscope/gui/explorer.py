@@ -15,7 +15,7 @@ from typing import Any
 import dash
 from dash import ALL, Input, Output, State, ctx, html
 
-from . import graph_view, panels
+from . import diagnosis, graph_view, panels
 from .data import LRU, ProjectData, RunData, fingerprint
 from .guard import contained, describe, error_box, error_figure, guard, report
 from .selection import Request, resolve
@@ -75,7 +75,8 @@ def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
         Input("step-slider", "value"), Input("step-prev", "n_clicks"),
         Input("step-next", "n_clicks"), Input("graph", "tapNodeData"),
         Input({"type": "node-btn", "node": ALL}, "n_clicks"),
-        Input("over-steps", "clickData"), Input("version", "data")]
+        Input("over-steps", "clickData"), Input("version", "data"),
+        Input({"type": diagnosis.GO, "step": ALL, "where": ALL}, "n_clicks")]
 
     @app.callback(*[Output(i, p) for i, p in _CONTROLS], Output("sel", "data"),
                   Output("controls-sent", "data"), *_RECORD_OUTPUTS, *inputs,
@@ -84,7 +85,7 @@ def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
                  direction: str | None, batch: str | None, node: str | None,
                  tensor: str | None, slider: int | None, _prev: Any, _next: Any,
                  tap: dict | None, _buttons: list, click: dict | None, _v: Any,
-                 previous: dict | None, sent: dict | None) -> tuple:
+                 _diagnoses: list, previous: dict | None, sent: dict | None) -> tuple:
         trigger, picked_node, picked_step = _trigger(tap, click)
         if trigger is None and previous is not None and ctx.triggered_id is not None:
             raise dash.exceptions.PreventUpdate  # a node-list button appeared, not clicked
@@ -153,6 +154,9 @@ def record_panels(project: ProjectData, sel: dict[str, Any]) -> tuple:
 def _trigger(tap: dict | None, click: dict | None) -> tuple[str | None, str | None, int | None]:
     """(which selector changed, node picked, step picked) from Dash's callback context."""
     tid = ctx.triggered_id
+    if isinstance(tid, dict) and tid.get("type") == diagnosis.GO:  # a Diagnosis tab row
+        hit = diagnosis.picked(tid, ctx.triggered)
+        return ("diagnosis", *hit) if hit else (None, None, None)
     if isinstance(tid, dict):  # a node-list button: only a real click counts
         clicked = any(t.get("value") for t in ctx.triggered)
         return ("node-btn", tid.get("node"), None) if clicked else (None, None, None)

@@ -59,7 +59,7 @@ def page(project_label: str, runs: list[str]) -> html.Div:
             dcc.Tab(label="Compare", value="compare", children=compare_tab(run_options)),
             dcc.Tab(label="Notes", value="notes", children=html.Div(id="notes",
                                                                      className="card")),
-            dcc.Tab(label="Anomalies", value="anomalies",
+            dcc.Tab(label="Diagnosis", value="anomalies",
                     children=html.Div(id="anomalies", className="card")),
         ]),
         dcc.Store(id="sel", storage_type="memory"),

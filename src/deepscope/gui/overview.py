@@ -1,4 +1,4 @@
-"""Callbacks of the run-level tabs: KPIs (all runs overlaid), Compare, Notes, Anomalies.
+"""Callbacks of the run-level tabs: KPIs (all runs overlaid), Compare, Notes.
 
 Each runs only while its tab is shown, so the graph tab's clicks never pay for them.
 """
@@ -132,7 +132,7 @@ def _empty_column(title: str, text: str) -> tuple:
 
 
 def _list_table(headers: list[str], rows: list[list[Any]]) -> html.Table:
-    """A plain table of cells (the Notes and Anomalies tabs)."""
+    """A plain table of cells (the Notes tab)."""
     return html.Table([html.Thead(html.Tr([html.Th(h) for h in headers])),
                        html.Tbody([html.Tr(cells) for cells in rows])], className="list-table")
 
@@ -159,18 +159,6 @@ def _register_notes(app: dash.Dash, project: ProjectData) -> None:
             [html.Td(_when(t)), html.Td("" if s is None or s != s else int(s)),
              html.Td(text, className="note-text")]
             for t, s, text in notes[["wall_time", "step", "text"]].itertuples(index=False)])
-
-    @app.callback(Output("anomalies", "children"), Input("tabs", "value"),
-                  Input("run", "value"), Input("version-slow", "data"))
-    @guard(lambda msg: error_box(msg))
-    def _anomalies(tab: str, run: str | None, _v: Any) -> Any:
-        found = _shown_frame(project, tab, "anomalies", run, lambda r: r.anomalies())
-        if found.empty:
-            return html.P(f"No anomalies recorded in {run}.", className="hint")
-        cols = ["step", "tensor", "detector", "value", "threshold", "message"]
-        return _list_table(cols, [
-            [html.Td(panels.fmt(v) if isinstance(v, float) else v) for v in row]
-            for row in found[cols].itertuples(index=False)])
 
 
 def _when(wall_time: float) -> str:

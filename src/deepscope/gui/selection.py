@@ -37,6 +37,7 @@ class Request:
     trigger: str | None = None
     picked_node: str | None = None   # tapped in the graph or chosen in the node list
     picked_step: int | None = None   # clicked in the over-steps chart
+    # trigger "diagnosis" (a Diagnosis tab row): picked_node is the tensor, picked_step its step
 
 
 @dataclass
@@ -130,6 +131,9 @@ def resolve(project: ProjectData, req: Request, prev: dict[str, Any] | None
         return Selection(run, empty=True), Choices(step_label="no recorded steps yet")
     kinds = list(index)
     kind = next((k for k in (req.kind, prev.get("kind")) if k in kinds), kinds[0])
+    if req.trigger == "diagnosis" and req.picked_step is not None:  # the kind recording it
+        kind = min(kinds, key=lambda k: abs(
+            index[k][0][nearest_index(index[k][0], req.picked_step)] - req.picked_step))
     steps, iterations = index[kind]
     last = len(steps) - 1
 
@@ -139,7 +143,7 @@ def resolve(project: ProjectData, req: Request, prev: dict[str, Any] | None
     elif req.trigger in ("step-prev", "step-next"):
         idx = nearest_index(steps, prev_step) + (1 if req.trigger == "step-next" else -1)
         idx = min(max(idx, 0), last)
-    elif req.trigger == "over-steps" and req.picked_step is not None:
+    elif req.trigger in ("over-steps", "diagnosis") and req.picked_step is not None:
         idx = nearest_index(steps, req.picked_step)
     elif prev.get("follow", True) or prev_step is None:
         idx = last
@@ -154,6 +158,9 @@ def resolve(project: ProjectData, req: Request, prev: dict[str, Any] | None
     graph = rd.graph(step, iteration)
     nodes = {n["id"]: n for n in graph.get("nodes", [])}
     picked = req.picked_node if req.trigger in ("graph", "node-btn") else None
+    if req.trigger == "diagnosis":  # it names a tensor: its node, and then the tensor
+        picked = next((n for n, v in nodes.items() if req.picked_node in v["tensors"]),
+                      req.picked_node)
     node = next((n for n in (picked, req.node, prev.get("node")) if n in nodes),
                 _default_node(graph))
 
@@ -163,7 +170,8 @@ def resolve(project: ProjectData, req: Request, prev: dict[str, Any] | None
                      key=lambda t: order.get(t, len(order)))
     role_of = {t: str(info[t]["role_in_node"]) if t in info else t for t in members}
     wanted_role = prev.get("role_in_node")
-    tensor = (req.tensor if req.tensor in members
+    asked_tensor = req.picked_node if req.trigger == "diagnosis" else req.tensor
+    tensor = (asked_tensor if asked_tensor in members
               else next((t for t in members if role_of[t] == wanted_role), None)
               or (node if node in members else members[0] if members else None))
 

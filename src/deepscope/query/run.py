@@ -262,6 +262,14 @@ class Run:
         return pd.DataFrame(rows, columns=["step", "tensor", "detector", "value", "threshold",
                                            "message"])
 
+    def diagnoses(self, rank: int = 0, threshold: float | None = None) -> pd.DataFrame:
+        """Likely bugs named from the recorded evidence, most likely first: code, confidence
+        (0-1), step (first step it holds), where (tensor/layer), summary, evidence (the numbers,
+        a dict), fix. threshold: lowest confidence listed (default: the reporting threshold,
+        0.5; 0 lists every candidate). See docs/diagnosis.md."""
+        from ..diagnosis import THRESHOLD, diagnose, frame  # heavy logic, loaded on use
+        return frame(diagnose(self, rank, THRESHOLD if threshold is None else threshold))
+
 
 def open_run(path: str | Path) -> Run:
     """Open a recorded run folder for reading."""

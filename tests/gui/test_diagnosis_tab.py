@@ -1,0 +1,44 @@
+"""The Diagnosis tab in headless Chromium: a run with a bug lists its diagnosis; clicking the
+row opens the graph tab at the step and node it names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.diagnosis.zoo import cases, train
+
+from .conftest import start_server
+from .test_browser import wait_graph, wait_table
+
+pytestmark = pytest.mark.browser
+
+
+@pytest.fixture(scope="module")
+def bugged_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One run whose optimiser was given the last layer only (not_updated at 0.*, step 0)."""
+    path = tmp_path_factory.mktemp("diag") / "runs"
+    _, bugged, _ = cases()["not_updated"]
+    train(path, "bug", bugged()).close()
+    url, server = start_server(path)
+    yield url
+    server.shutdown()
+    server.server_close()
+
+
+def test_diagnosis_row_opens_its_step_and_node(browser, bugged_url: str) -> None:
+    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    page.goto(bugged_url)
+    wait_graph(page)
+    page.click("text=Diagnosis")
+    page.wait_for_selector("#anomalies td.diag-code:has-text('not_updated')")
+    text = page.inner_text("#anomalies")
+    assert "Health-check findings" in text and "0.bias" in text
+    assert not page.is_visible("#graph")
+    page.click("#anomalies button.diag-go:has-text('0.weight')")
+    # the graph tab shows node 0 (the first Linear) with 0.weight selected at step 0
+    wait_table(page, tensor="0.weight", step=0)
+    assert page.is_visible("#graph")  # switched to the graph tab
+    assert page.inner_text("#node").strip().startswith("0 (")  # the node of 0.weight
+    page.close()
