@@ -41,7 +41,7 @@ def make_sample_run(root: Path) -> Path:
     scope.writer.submit_quantities([
         QuantityValue("GradNorm", 1, value=0.5, meta={"estimator": "exact"}),
         QuantityValue("GradHist1d", 1, layer="0.weight", array=np.arange(4.0),
-                      meta={"edges": [0.0, 1.0, 2.0, 3.0, 4.0], "nan": 0})])
+                      meta={"edges": [0.0, 4.0, 4], "nan": 0})])
     scope.writer.submit_anomalies([(1, "0", "spike", 3.0, 2.0, "loss spiked")])
     scope.close()
     return root / "sample" / "rank0.sqlite"

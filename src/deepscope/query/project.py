@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..store.layout import is_run_dir
+from ..store.layout import inside, is_run_dir
 from .run import Run
 
 
@@ -18,10 +18,12 @@ class Project:
                              "to deepscope.Scope(path, ...)")
 
     def runs(self) -> list[str]:
-        """Run names, sorted; re-read on every call so new runs appear."""
+        """Run names, sorted; re-read on every call so new runs appear. A run folder that is a
+        link to a folder outside the project is not listed (see `store.layout`)."""
         if is_run_dir(self.path):
             return [self.path.name]
-        return sorted(p.name for p in self.path.iterdir() if p.is_dir() and is_run_dir(p))
+        return sorted(p.name for p in self.path.iterdir()
+                      if p.is_dir() and inside(p, self.path) and is_run_dir(p))
 
     def run(self, name: str) -> Run:
         names = self.runs()

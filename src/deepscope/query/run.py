@@ -9,9 +9,11 @@ import numpy as np
 import pandas as pd
 
 from ..errors import CorruptRunError
-from ..store.layout import rank_files
+from ..store import limits
+from ..store.layout import escaping_links, rank_files
 from ..store.reader import StoreReader
 from ..store.schema import STAT_COLUMNS
+from . import checks
 
 DIRECTIONS = ("forward", "grad")
 
@@ -25,6 +27,11 @@ class Run:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        links = escaping_links(self.path)
+        if links:
+            raise ValueError(f"{', '.join(links)} in {self.path} is a link to a file outside "
+                             "the run folder; deepscope reads only files inside the folder it "
+                             "is given: copy the file into the run folder instead")
         files = rank_files(self.path)
         if not files:
             raise ValueError(f"no deepscope run at {self.path}: expected rank<N>.sqlite files "
@@ -67,9 +74,11 @@ class Run:
                    for p in (f, f.with_name(f.name + "-wal")) if p.exists())
 
     def kinds(self, rank: int = 0) -> list[str]:
-        rows = self._r(rank).query(
-            "SELECT kind FROM steps UNION SELECT kind FROM kpis ORDER BY 1")
-        return [k for (k,) in rows]
+        r = self._r(rank)
+        kinds = [k for (k,) in r.query(
+            "SELECT kind FROM steps UNION SELECT kind FROM kpis ORDER BY 1")]
+        checks.texts(kinds, "steps", "kind", r.path)
+        return kinds
 
     def steps(self, kind: str | None = None, rank: int = 0) -> list[int]:
         """Recorded steps (with tensor data), ascending."""
@@ -80,9 +89,13 @@ class Run:
 
     def step_table(self, rank: int = 0) -> pd.DataFrame:
         """One row per recorded step: step, kind, iterations, wall_time."""
-        rows = self._r(rank).query(
-            "SELECT step, kind, iterations, wall_time FROM steps ORDER BY step")
-        return pd.DataFrame(rows, columns=["step", "kind", "iterations", "wall_time"])
+        r = self._r(rank)
+        rows = r.query("SELECT step, kind, iterations, wall_time FROM steps ORDER BY step")
+        df = pd.DataFrame(rows, columns=["step", "kind", "iterations", "wall_time"])
+        checks.integers(df["step"], "steps", "step", r.path)
+        checks.texts(df["kind"], "steps", "kind", r.path)
+        checks.integers(df["iterations"], "steps", "iterations", r.path, limits.MAX_ITERATIONS)
+        return checks.numbers(df, ["wall_time"], "steps", r.path)
 
     def tensors(self, rank: int = 0) -> pd.DataFrame:
         """Named tensors: name, role, node, role_in_node, shape (first seen), dtype, batch_dim."""
@@ -91,8 +104,11 @@ class Run:
                        "FROM tensors ORDER BY id")
         df = pd.DataFrame(rows, columns=["name", "role", "node", "role_in_node", "shape",
                                          "dtype", "batch_dim"])
-        df["shape"] = [r.decode_json(s, "tensor shape") for s in df["shape"]]
-        return df
+        for column in ("name", "role", "node", "role_in_node", "dtype"):
+            checks.texts(df[column], "tensors", column, r.path)
+        df["shape"] = [checks.shape(r.decode_json(s, "tensor shape"), r.path)
+                       for s in df["shape"]]
+        return checks.numbers(df, ["batch_dim"], "tensors", r.path) if len(df) else df
 
     # --- tensor records -------------------------------------------------------------------
     def stats_wide(self, tensor: str | None = None, *, direction: str | None = None,
@@ -111,11 +127,11 @@ class Run:
                "JOIN steps s ON s.step = r.step")
         if where:
             sql += " WHERE " + " AND ".join(where)
-        rows = self._r(rank).query(sql + " ORDER BY r.step, r.iteration, t.id, r.direction",
-                                   args)
+        r = self._r(rank)
+        rows = r.query(sql + " ORDER BY r.step, r.iteration, t.id, r.direction", args)
         df = pd.DataFrame(rows, columns=["step", "iteration", "tensor", "direction",
                                          *STAT_COLUMNS])
-        return df.astype({c: float for c in STAT_COLUMNS})
+        return checks.numbers(df, STAT_COLUMNS, "records", r.path)
 
     def stats(self, tensor: str | None = None, *, direction: str | None = None,
               statistic: str | None = None, step: int | None = None,
@@ -202,12 +218,16 @@ class Run:
         sql, args = "SELECT step, kind, name, value FROM kpis", ()
         if name is not None:
             sql, args = sql + " WHERE name = ?", (name,)
-        rows = self._r(rank).query(sql + " ORDER BY name, step", args)
+        r = self._r(rank)
+        rows = r.query(sql + " ORDER BY name, step", args)
         df = pd.DataFrame(rows, columns=["step", "kind", "name", "value"])
-        return df.astype({"value": float})
+        checks.texts(df["name"], "kpis", "name", r.path)
+        return checks.numbers(df, ["value"], "kpis", r.path)
 
     def notes(self, rank: int = 0) -> pd.DataFrame:
-        rows = self._r(rank).query("SELECT wall_time, step, text FROM notes ORDER BY id")
+        r = self._r(rank)
+        rows = r.query("SELECT wall_time, step, text FROM notes ORDER BY id")
+        checks.texts((text for _, _, text in rows), "notes", "text", r.path)
         return pd.DataFrame(rows, columns=["wall_time", "step", "text"])
 
     def quantities(self, name: str | None = None, layer: str | None = None,
@@ -226,6 +246,10 @@ class Run:
         rows = r.query(sql + " ORDER BY name, layer, step", args)
         records = []
         for step, qname, qlayer, value, meta in rows:
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float))):
+                checks.numbers(pd.DataFrame({"value": [value]}), ["value"], "quantities",
+                               r.path)
             m = r.decode_json(meta, "quantity metadata")
             records.append({"step": step, "name": qname, "layer": qlayer,
                             "value": np.nan if value is None else float(value),
@@ -242,13 +266,20 @@ class Run:
         if not rows:
             raise KeyError(f"no {name} histogram at step {step} for layer {layer!r}")
         dtype, shape, data, meta = rows[0]
-        return r.decode_array(dtype, shape, data), r.decode_json(meta, "histogram metadata")
+        counts = r.decode_array(dtype, shape, data)
+        meta = r.decode_json(meta, "histogram metadata")
+        checks.histogram(counts, meta, r.path, f"{name} histogram metadata at step {step}")
+        return counts, meta
 
     def anomalies(self, rank: int = 0) -> pd.DataFrame:
-        rows = self._r(rank).query("SELECT step, tensor, detector, value, threshold, message "
-                                   "FROM anomalies ORDER BY step, id")
-        return pd.DataFrame(rows, columns=["step", "tensor", "detector", "value", "threshold",
-                                           "message"])
+        r = self._r(rank)
+        rows = r.query("SELECT step, tensor, detector, value, threshold, message "
+                       "FROM anomalies ORDER BY step, id")
+        df = pd.DataFrame(rows, columns=["step", "tensor", "detector", "value", "threshold",
+                                         "message"])
+        for column in ("tensor", "detector", "message"):
+            checks.texts(df[column], "anomalies", column, r.path)
+        return checks.numbers(df, ["value", "threshold"], "anomalies", r.path)
 
 
 def open_run(path: str | Path) -> Run:

@@ -1,4 +1,11 @@
-"""Where things live: a project folder holds run folders; a run folder holds one file per rank."""
+"""Where things live: a project folder holds run folders; a run folder holds one file per rank.
+
+Links: a folder given to deepscope (a project or run folder) is the root of what it reads.
+Symbolic links inside it are followed only where they resolve inside it: a run folder linked
+into a project from elsewhere is not listed, and a `rank<N>.sqlite` that is a link to a file
+outside its run folder is refused (`escaping_links` names them), so serving or sharing a
+folder never exposes what lies outside it.
+"""
 
 from __future__ import annotations
 
@@ -14,8 +21,15 @@ def rank_file(run_dir: Path, rank: int) -> Path:
     return run_dir / f"rank{rank}.sqlite"
 
 
-def rank_files(run_dir: Path) -> dict[int, Path]:
-    """All rank databases of a run folder, by rank."""
+def inside(path: Path, root: Path) -> bool:
+    """True if `path` resolves (links followed) to `root` or to something inside it."""
+    try:
+        return path.resolve().is_relative_to(root.resolve())
+    except (OSError, RuntimeError):  # RuntimeError: a link loop
+        return False
+
+
+def _rank_candidates(run_dir: Path) -> dict[int, Path]:
     found = {}
     if run_dir.is_dir():
         for p in run_dir.iterdir():
@@ -23,6 +37,16 @@ def rank_files(run_dir: Path) -> dict[int, Path]:
             if m and p.is_file():
                 found[int(m.group(1))] = p
     return dict(sorted(found.items()))
+
+
+def rank_files(run_dir: Path) -> dict[int, Path]:
+    """All rank databases of a run folder, by rank (links leaving the folder left out)."""
+    return {r: p for r, p in _rank_candidates(run_dir).items() if inside(p, run_dir)}
+
+
+def escaping_links(run_dir: Path) -> list[str]:
+    """Names of rank files in `run_dir` that are links to files outside it."""
+    return [p.name for p in _rank_candidates(run_dir).values() if not inside(p, run_dir)]
 
 
 def is_run_dir(path: Path) -> bool:
