@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import deepscope
 from deepscope import CorruptRunError
-from deepscope.store import arrays, codecs, reader
+from deepscope.store import arrays, codecs, limits, reader
 from deepscope.store.reader import StoreReader
 from tests.stress import fuzz_store, workload
 
@@ -275,6 +275,91 @@ def test_histogram_stored_as_text_is_refused(tmp_path, sample):
     run_dir = run_with(tmp_path, sample, "UPDATE quantity_arrays SET data = 'abcd'")
     with deepscope.open_run(run_dir) as run, pytest.raises(CorruptRunError, match="not a blob"):
         run.histogram("GradHist1d", 1, "0.weight")
+
+
+# --- crafted sizes and types: refused before allocation, peak memory within the cap ---------
+CRAFTED_REFUSALS = {
+    "iterations-3e6": "stored steps.iterations is 3000000, outside [0, 10000]",
+    "iterations-1e12": "stored steps.iterations is 1000000000000, outside",
+    "iterations-inf": "stored steps.iterations holds inf, not an integer",
+    "tensor-shape-1e12x3": "stored tensors.shape holds [1000000000000, 3], not a shape",
+    "array-shape-0x1e20": "invalid shape '[0, 99999999999999999999]'",
+    "zlib-bomb-41MB": "declares 42991616 bytes, more than the cap of 16777216 for this file",
+    "zlib-bomb-410MB": "declares 429916160 bytes, more than the cap of 16777216 for this file",
+    "histogram-bins-250M": "GradHist1d histogram metadata at step 1 edges bins is 250000000, "
+                           "outside",
+    "histogram-bins-2e9": "edges bins is 2000000000, outside",
+    "histogram-edges-text": "edges holds ['a', 2, 4], not [lo, hi, bins]",
+    "graph-40k-two-cycles": "stored graph tensor count is 40000, outside [0, 20000]",
+    "note-blob": r"stored notes.text holds b'\x00\xff', not text",
+    "kpi-text": "stored kpis.value holds 'abc', not a number",
+    "stat-text": "stored records.mean holds 'abc', not a number",
+    "kpi-step-text": "stored kpis.step holds 'abc0', not an integer",
+    "quantity-step-real": "stored quantities.step holds 1.5, not an integer",
+}
+
+
+def test_every_crafted_case_has_an_expected_refusal():
+    assert set(CRAFTED_REFUSALS) == set(fuzz_store.CRAFTED)
+
+
+@pytest.mark.parametrize("case", list(CRAFTED_REFUSALS))
+def test_crafted_sizes_are_refused_in_one_line_within_the_memory_cap(tmp_path, sample, case):
+    """Before: iterations, shapes, bins and graphs were read as declared (the GUI then spent
+    14-51 s or GBs on them), bombs decoded (41 MB: +288 MB RSS, 410 MB: +2.9 GB), wrong types
+    raised raw numpy/pandas errors. Now: one line naming the field, nothing allocated."""
+    run_dir = fuzz_store.crafted_run(tmp_path, sample, case)
+    size = (run_dir / "rank0.sqlite").stat().st_size
+    tracemalloc.start()
+    try:
+        result, rss = fuzz_store.peak_rss_of(lambda: fuzz_store.read_everything(run_dir))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert isinstance(result, CorruptRunError), result
+    assert CRAFTED_REFUSALS[case] in str(result) and str(result).isprintable(), result
+    assert rss <= limits.read_peak_cap(size)
+    assert peak < 8 * 2**20 + 8 * size  # refused before anything of the declared size exists
+
+
+def test_a_part_within_the_cap_reads_and_the_cap_follows_the_file_size(tmp_path, sample,
+                                                                      monkeypatch):
+    """16 MiB of zeros (a 16 kB stream) is allowed in any file; 17 MiB only in a file of
+    more than a quarter of that."""
+    run_dir = fuzz_store.crafted_run(tmp_path, sample, "iterations-inf")  # any run folder
+    for raw, ok in ((16 * 2**20, True), (17 * 2**20, False)):
+        con = sqlite3.connect(run_dir / "rank0.sqlite")
+        for statement in fuzz_store._bomb(raw):
+            con.execute(statement)
+        con.commit()
+        con.close()
+        with deepscope.open_run(run_dir) as run:
+            if ok:
+                assert run.values("input", 0, view="samples").shape == (raw // 2,)
+            else:
+                with pytest.raises(CorruptRunError, match="more than the cap of 16777216"):
+                    run.values("input", 0, view="samples")
+    monkeypatch.setattr(limits, "MIN_PART_CAP", 0)
+    assert limits.part_cap(1000) == 4000 and limits.read_peak_cap(1000) == 64 * 2**20 + 12000
+
+
+def test_the_decoded_parts_a_reader_keeps_are_bounded_in_bytes(tmp_path, sample, monkeypatch):
+    """Before: the last 8 parts whatever their size (8 bombs: 8 x 41 MB kept)."""
+    reader_ = StoreReader(run_with(tmp_path, sample) / "rank0.sqlite")
+    one = len(reader_.step_part(0, 0))
+    monkeypatch.setattr(limits, "PART_CACHE_BYTES", one + 1)
+    reader_.step_part(0, 1)
+    reader_.step_part(1, 0)
+    assert list(reader_._parts) == [(1, 0)]
+    reader_.close()
+
+
+def test_bfloat16_views_decode_without_temporaries_and_exactly():
+    values = torch.tensor([[1.5, -2.0, 3.0e38], [float("inf"), float("nan"), -0.0]])
+    name, shape, data = arrays.encode(values.bfloat16())
+    out = arrays.decode(name, shape, memoryview(data))
+    np.testing.assert_array_equal(out, values.bfloat16().float().numpy())
+    assert out.dtype == np.float32 and out.flags.writeable
 
 
 # --- crafted JSON ----------------------------------------------------------------------------

@@ -222,13 +222,15 @@ class Run:
         rows = r.query(sql + " ORDER BY name, step", args)
         df = pd.DataFrame(rows, columns=["step", "kind", "name", "value"])
         checks.texts(df["name"], "kpis", "name", r.path)
+        checks.integers(df["step"], "kpis", "step", r.path)
         return checks.numbers(df, ["value"], "kpis", r.path)
 
     def notes(self, rank: int = 0) -> pd.DataFrame:
         r = self._r(rank)
         rows = r.query("SELECT wall_time, step, text FROM notes ORDER BY id")
         checks.texts((text for _, _, text in rows), "notes", "text", r.path)
-        return pd.DataFrame(rows, columns=["wall_time", "step", "text"])
+        df = pd.DataFrame(rows, columns=["wall_time", "step", "text"])
+        return checks.numbers(df, ["wall_time"], "notes", r.path)
 
     def quantities(self, name: str | None = None, layer: str | None = None,
                    rank: int = 0) -> pd.DataFrame:
@@ -245,6 +247,7 @@ class Run:
         r = self._r(rank)
         rows = r.query(sql + " ORDER BY name, layer, step", args)
         records = []
+        checks.integers((row[0] for row in rows), "quantities", "step", r.path)
         for step, qname, qlayer, value, meta in rows:
             if value is not None and (isinstance(value, bool)
                                       or not isinstance(value, (int, float))):

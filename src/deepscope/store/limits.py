@@ -9,6 +9,7 @@ only ever refuse crafted or damaged files.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ..errors import CorruptRunError
@@ -20,10 +21,23 @@ MAX_DIM = 2**36            # one dimension of a stored array or tensor shape
 MAX_TENSOR_NUMEL = 2**40   # elements of a recorded tensor (tensors.shape); 2 TB of bfloat16
 # A step part (the bytes of a step's arrays of one dtype) inflates to at most
 # max(MIN_PART_CAP, PART_FILE_RATIO x the rank file's size with its write-ahead log): a
-# compressed "bomb" cannot make a small file cost more than a fixed amount of memory.
-MIN_PART_CAP = 64 * MiB
+# compressed "bomb" cannot make a small file cost more than a fixed amount of memory, while
+# recorded data (which compresses 1-4x, not 1000x) always fits. A trusted small file of
+# mostly zeros can be read with a larger DEEPSCOPE_MIN_PART_CAP_MB.
+MIN_PART_CAP = int(os.environ.get("DEEPSCOPE_MIN_PART_CAP_MB", "16")) * MiB
 PART_FILE_RATIO = 4
 PART_CACHE_BYTES = 64 * MiB  # decoded parts a reader keeps (the last few steps read)
+
+
+def part_cap(file_bytes: int) -> int:
+    """Bytes one decoded step part of a rank file of `file_bytes` (with its log) may have."""
+    return max(MIN_PART_CAP, PART_FILE_RATIO * file_bytes)
+
+
+def read_peak_cap(file_bytes: int) -> int:
+    """The documented bound on the memory one read of a rank file may add: the parts a reader
+    caches, plus one part being decoded and the float32 array made of it (3 parts)."""
+    return PART_CACHE_BYTES + 3 * part_cap(file_bytes)
 
 # --- metadata -------------------------------------------------------------------------------
 MAX_JSON_CHARS = 16 * MiB       # any stored JSON text: graph body, metadata, shapes

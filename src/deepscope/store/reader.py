@@ -204,14 +204,14 @@ class StoreReader:
         return data
 
     def part_cap(self) -> int:
-        """Bytes one decoded step part may have: see `limits.MIN_PART_CAP`."""
+        """Bytes one decoded step part may have now (see `limits.part_cap`)."""
         size = 0
         for p in (self.path, self.path.with_name(self.path.name + "-wal")):
             try:
                 size += p.stat().st_size
             except OSError:
                 pass
-        return max(limits.MIN_PART_CAP, limits.PART_FILE_RATIO * size)
+        return limits.part_cap(size)
 
     def decode_slice(self, dtype: Any, shape: Any, offset: Any, nbytes: Any,
                      part: bytes) -> np.ndarray:
