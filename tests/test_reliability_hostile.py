@@ -322,6 +322,26 @@ def test_crafted_sizes_are_refused_in_one_line_within_the_memory_cap(tmp_path, s
     assert peak < 8 * 2**20 + 8 * size  # refused before anything of the declared size exists
 
 
+@pytest.mark.parametrize("verb", [["plot", "-o", "{tmp}/x.png"],
+                                  ["export", "--tensorboard", "{tmp}/tb"]], ids=lambda v: v[0])
+def test_plot_and_export_refuse_crafted_histogram_bins_in_one_line(tmp_path, sample, capsys,
+                                                                   verb):
+    """Before: 250M bins made `plot` peak at 2.2 GB and `export --tensorboard` at 4.1 GB;
+    2e9 bins ended in a 19-line traceback."""
+    from deepscope.cli.main import main
+    for case in ("histogram-bins-250M", "histogram-bins-2e9"):
+        run_dir = fuzz_store.crafted_run(tmp_path, sample, case)
+        tracemalloc.start()
+        try:
+            code = main([verb[0], str(run_dir), *(a.format(tmp=tmp_path) for a in verb[1:])])
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and "edges bins is" in err, err
+        assert peak < 64 * 2**20
+
+
 def test_a_part_within_the_cap_reads_and_the_cap_follows_the_file_size(tmp_path, sample,
                                                                       monkeypatch):
     """16 MiB of zeros (a 16 kB stream) is allowed in any file; 17 MiB only in a file of
@@ -393,6 +413,50 @@ def test_a_graph_that_is_json_but_not_a_graph_is_refused(tmp_path, sample):
             run.graph(0)
 
 
+# --- links: nothing outside the folder given is read ----------------------------------------
+@pytest.fixture
+def linked_project(tmp_path, sample) -> Path:
+    """project/: inside (a run), local-link (rank0.sqlite -> a file beside it), linked-run (a
+    link to a run folder elsewhere), linked-file (rank0.sqlite -> a file elsewhere)."""
+    (tmp_path / "outside").mkdir()
+    outside = run_with(tmp_path / "outside", sample)
+    project = tmp_path / "project"
+    for name in ("inside", "local-link", "linked-file"):
+        (project / name).mkdir(parents=True)
+    (project / "inside" / "rank0.sqlite").write_bytes(sample)
+    (project / "local-link" / "kept.db").write_bytes(sample)
+    (project / "local-link" / "rank0.sqlite").symlink_to("kept.db")
+    (project / "linked-run").symlink_to(outside)
+    (project / "linked-file" / "rank0.sqlite").symlink_to(outside / "rank0.sqlite")
+    return project
+
+
+def test_links_leaving_the_folder_are_not_listed_or_read(linked_project):
+    """Before: the GUI listed and served linked-run, and every reader read linked-file."""
+    from deepscope.gui.data import ProjectData
+    assert deepscope.open_project(linked_project).runs() == ["inside", "local-link"]
+    assert ProjectData(linked_project).runs() == ["inside", "local-link"]
+    with pytest.raises(ValueError, match="no run 'linked-run'"):
+        ProjectData(linked_project).run("linked-run")
+    assert deepscope.open_run(linked_project / "local-link").steps() == [0, 1]
+    with pytest.raises(ValueError, match="rank0.sqlite in .* is a link to a file outside the "
+                                         "run folder; .* copy the file into the run folder"):
+        deepscope.open_run(linked_project / "linked-file")
+
+
+@pytest.mark.parametrize("verb", [["ls"], ["doctor"], ["plot", "-o", "{tmp}/x.png"],
+                                  ["export", "--parquet", "{tmp}/pq"]],
+                         ids=lambda v: v[0])
+def test_cli_verbs_refuse_a_rank_file_linked_from_outside(linked_project, tmp_path, capsys,
+                                                          verb):
+    from deepscope.cli.main import main
+    argv = [verb[0], str(linked_project / "linked-file"),
+            *(a.format(tmp=tmp_path) for a in verb[1:])]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "is a link to a file outside the run folder" in err and err.count("\n") == 1
+
+
 # --- names are data, never SQL or markup -----------------------------------------------------
 HOSTILE_NAMES = ["x'); DROP TABLE steps; --", 'y" OR 1=1 --', "z\n\x1b[31mred", "../../etc"]
 
@@ -411,6 +475,33 @@ def test_sql_and_control_characters_in_names_are_plain_data(tmp_path):
     for i, name in enumerate(HOSTILE_NAMES):
         assert (run.values(name, 0, view="samples") == i).all()
         assert run.kpis(name)["value"].tolist() == [i]
+
+
+ESCAPES = "char(27) || ']52;c;SGVsbG8=' || char(7) || char(27) || '[2J' || char(8238)"
+
+
+def test_ls_and_doctor_show_control_characters_instead_of_obeying_them(tmp_path, sample,
+                                                                        capsys):
+    """Before: ESC ] 52 (clipboard write), ESC [ 2 J (clear screen) and U+202E (reverse the
+    line) in kinds, tensor names and anomaly messages reached the terminal raw."""
+    from deepscope.cli.main import main
+    run_dir = run_with(tmp_path, sample, f"UPDATE steps SET kind = 'k' || {ESCAPES}",
+                       f"UPDATE kpis SET kind = 'k' || {ESCAPES}",
+                       f"UPDATE anomalies SET tensor = 't' || {ESCAPES}, "
+                       f"message = 'm' || {ESCAPES}")
+    for verb in ("ls", "doctor"):
+        assert main([verb, str(run_dir)]) == 0
+        out = capsys.readouterr().out
+        assert not any(c in out for c in "\x1b\x07\u202e"), repr(out)
+        shown = "\\x1b]52;c;SGVsbG8=\\x07\\x1b[2J\\u202e"
+        assert (shown[:16] if verb == "ls" else shown) in out  # ls cuts kinds at 20
+
+
+def test_clean_escapes_what_a_terminal_would_obey():
+    from deepscope.cli.text import clean
+    assert clean("plain – ünïcode") == "plain – ünïcode"
+    assert clean("a\x1b[2Jb\n\tc\x9b") == "a\\x1b[2Jb\\n\\tc\\x9b"
+    assert clean("line\n\tnext\r", keep="\n\t") == "line\n\tnext\\r"
 
 
 def test_project_paths_with_uri_characters_open_the_right_file(tmp_path):

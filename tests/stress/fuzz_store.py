@@ -19,6 +19,7 @@ one line (or read) within `limits.read_peak_cap`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import resource
@@ -194,7 +195,9 @@ def _graph_of_two_cycles(nodes: int) -> str:
 
 
 def _histogram_edges(edges: str) -> list[str]:
-    return [f"UPDATE quantities SET meta = '{{\"edges\": {edges}}}' WHERE name = 'GradHist1d'"]
+    """The sample's histogram with crafted edges, made whole-model (what `plot` draws)."""
+    return [f"UPDATE quantities SET meta = '{{\"edges\": {edges}}}', layer = '' WHERE "
+            "name = 'GradHist1d'", "UPDATE quantity_arrays SET layer = ''"]
 
 
 # Each case: SQL statements that make the sample run declare one hostile size or type.
@@ -265,7 +268,7 @@ def crafted_campaign(root: Path) -> list[dict]:
     for case in CRAFTED:
         run_dir = crafted_run(root, sample, case)
         size = (run_dir / "rank0.sqlite").stat().st_size
-        result, peak = peak_rss_of(lambda: read_everything(run_dir))
+        result, peak = peak_rss_of(functools.partial(read_everything, run_dir))
         one_line = isinstance(result, (ValueError, KeyError)) and str(result).isprintable()
         records.append({
             "case": case, "file_bytes": size, "peak_rss_mb": round(peak / 2**20, 1),

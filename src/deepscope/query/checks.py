@@ -47,9 +47,17 @@ def integers(values: Iterable[Any], table: str, column: str, path: Path,
         if isinstance(v, bool) or not isinstance(v, int):
             raise _damaged(path, f"{table}.{column}", v, "an integer")
         if cap is not None:
-            limits.capped_int(v, cap, f"{table}.{column}")
+            _capped(v, cap, f"{table}.{column}", path)
         out.append(v)
     return out
+
+
+def _capped(value: Any, cap: int, field: str, path: Path, low: int = 0) -> int:
+    """`limits.capped_int`, its message prefixed with the file."""
+    try:
+        return limits.capped_int(value, cap, field, low=low)
+    except CorruptRunError as exc:
+        raise CorruptRunError(f"{path}: {exc}") from None
 
 
 def texts(values: Iterable[Any], table: str, column: str, path: Path) -> None:
@@ -84,8 +92,8 @@ def histogram(counts: Any, meta: Any, path: Path, where: str) -> None:
                 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in axis)
                 and all(math.isfinite(x) for x in axis) and axis[0] < axis[1]):
             raise _damaged(path, f"{where} edges", edges, "[lo, hi, bins] with lo < hi finite")
-        bins.append(limits.capped_int(axis[2], limits.MAX_HISTOGRAM_BINS,
-                                      f"{where} edges bins", low=1))
+        bins.append(_capped(axis[2], limits.MAX_HISTOGRAM_BINS, f"{where} edges bins", path,
+                            low=1))
     if tuple(counts.shape) != tuple(bins):
         raise CorruptRunError(f"{path}: stored {where} has counts of shape "
                               f"{list(counts.shape)} for edges of {bins} bins; the file is "

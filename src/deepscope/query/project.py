@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..store.layout import inside, is_run_dir
+from ..store.layout import check_links, inside, is_run_dir
 from .run import Run
 
 
@@ -16,6 +16,7 @@ class Project:
         if not self.path.is_dir():
             raise ValueError(f"project folder {self.path} does not exist; pass the folder given "
                              "to deepscope.Scope(path, ...)")
+        check_links(self.path)
 
     def runs(self) -> list[str]:
         """Run names, sorted; re-read on every call so new runs appear. A run folder that is a

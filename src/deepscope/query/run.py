@@ -10,7 +10,7 @@ import pandas as pd
 
 from ..errors import CorruptRunError
 from ..store import limits
-from ..store.layout import escaping_links, rank_files
+from ..store.layout import check_links, rank_files
 from ..store.reader import StoreReader
 from ..store.schema import STAT_COLUMNS
 from . import checks
@@ -27,11 +27,7 @@ class Run:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        links = escaping_links(self.path)
-        if links:
-            raise ValueError(f"{', '.join(links)} in {self.path} is a link to a file outside "
-                             "the run folder; deepscope reads only files inside the folder it "
-                             "is given: copy the file into the run folder instead")
+        check_links(self.path)
         files = rank_files(self.path)
         if not files:
             raise ValueError(f"no deepscope run at {self.path}: expected rank<N>.sqlite files "

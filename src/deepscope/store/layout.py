@@ -3,7 +3,7 @@
 Links: a folder given to deepscope (a project or run folder) is the root of what it reads.
 Symbolic links inside it are followed only where they resolve inside it: a run folder linked
 into a project from elsewhere is not listed, and a `rank<N>.sqlite` that is a link to a file
-outside its run folder is refused (`escaping_links` names them), so serving or sharing a
+outside its run folder is refused (`check_links`), so serving or sharing a
 folder never exposes what lies outside it.
 """
 
@@ -44,9 +44,13 @@ def rank_files(run_dir: Path) -> dict[int, Path]:
     return {r: p for r, p in _rank_candidates(run_dir).items() if inside(p, run_dir)}
 
 
-def escaping_links(run_dir: Path) -> list[str]:
-    """Names of rank files in `run_dir` that are links to files outside it."""
-    return [p.name for p in _rank_candidates(run_dir).values() if not inside(p, run_dir)]
+def check_links(run_dir: Path) -> None:
+    """ValueError (one line) if a rank file in `run_dir` is a link to a file outside it."""
+    links = [p.name for p in _rank_candidates(run_dir).values() if not inside(p, run_dir)]
+    if links:
+        raise ValueError(f"{', '.join(links)} in {run_dir} is a link to a file outside the "
+                         "run folder; deepscope reads only files inside the folder it is "
+                         "given: copy the file into the run folder instead")
 
 
 def is_run_dir(path: Path) -> bool:
