@@ -104,7 +104,9 @@ class Run:
             checks.texts(df[column], "tensors", column, r.path)
         df["shape"] = [checks.shape(r.decode_json(s, "tensor shape"), r.path)
                        for s in df["shape"]]
-        return checks.numbers(df, ["batch_dim"], "tensors", r.path) if len(df) else df
+        checks.integers((row[6] for row in rows if row[6] is not None), "tensors",
+                        "batch_dim", r.path)
+        return df
 
     # --- tensor records -------------------------------------------------------------------
     def stats_wide(self, tensor: str | None = None, *, direction: str | None = None,
