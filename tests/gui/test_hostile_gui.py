@@ -128,6 +128,19 @@ def test_caches_are_bounded_in_bytes() -> None:
     assert approx_bytes({"a": [np.zeros(100), "text"]}) > 800
 
 
+def test_at_most_max_open_runs_stay_open(project: Path, monkeypatch: pytest.MonkeyPatch
+                                        ) -> None:
+    from deepscope.gui import data as gui_data
+    monkeypatch.setattr(gui_data, "MAX_OPEN_RUNS", 2)
+    data = ProjectData(project)
+    first = data.run("base")
+    first.step_index()
+    data.run("other")
+    data.run("recurrent")
+    assert list(data._runs) == ["other", "recurrent"] and first.run._readers == {}
+    assert first.run.steps()  # a request still holding it reads on (the reader reopens)
+
+
 def test_too_many_values_are_named_not_drawn(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(figures, "MAX_DRAWN_VALUES", 100)
     assert figures.values_figure(np.zeros(100), "t")["data"]

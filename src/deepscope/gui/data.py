@@ -27,6 +27,8 @@ T = TypeVar("T")
 # What the caches of one run open in the GUI may hold, in bytes (estimated, see
 # `approx_bytes`): a crafted or huge run costs at most this much memory between requests.
 RUN_CACHE_BYTES = 64 * 2**20
+# Runs kept open at once (their readers and caches); the least recently used one is closed.
+MAX_OPEN_RUNS = 8
 
 
 def approx_bytes(obj: Any) -> int:
@@ -202,7 +204,7 @@ class ProjectData:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._runs: dict[str, RunData] = {}
+        self._runs: OrderedDict[str, RunData] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
 
     def exists(self) -> bool:
@@ -215,7 +217,8 @@ class ProjectData:
         return Project(self.path).runs()
 
     def run(self, name: str) -> RunData:
-        """The cached reader of run `name` (opened on first use)."""
+        """The cached reader of run `name` (opened on first use; at most MAX_OPEN_RUNS stay
+        open, so the GUI's memory is bounded whatever the number of runs)."""
         with self._lock:
             data = self._runs.get(name)
             if data is not None and data.stale():
@@ -223,6 +226,10 @@ class ProjectData:
                 data = None
             if data is None:
                 data = self._runs[name] = RunData(Project(self.path).run(name))
+                while len(self._runs) > MAX_OPEN_RUNS:
+                    # A request still holding it reads on: a closed Run reopens its reader.
+                    self._runs.popitem(last=False)[1].close()
+            self._runs.move_to_end(name)
             return data
 
 
