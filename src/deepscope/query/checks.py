@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 
 from ..errors import CorruptRunError
-from ..store import limits
+from ..store import arrays, limits
 
 
 def _damaged(path: Path, field: str, value: Any, want: str) -> CorruptRunError:
@@ -68,13 +68,15 @@ def texts(values: Iterable[Any], table: str, column: str, path: Path) -> None:
 
 
 def shape(value: Any, path: Path) -> list[int]:
-    """A recorded tensor's shape: at most 8 dims, each and their product under the caps."""
-    if not (isinstance(value, list) and len(value) <= 8
+    """A recorded tensor's shape: at most MAX_NDIM dims, each and their product under the
+    caps."""
+    if not (isinstance(value, list) and len(value) <= arrays.MAX_NDIM
             and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= limits.MAX_DIM
                     for d in value)
             and math.prod(value) <= limits.MAX_TENSOR_NUMEL):
         raise _damaged(path, "tensors.shape", value,
-                       f"a shape of at most 8 dims, {limits.MAX_TENSOR_NUMEL} elements")
+                       f"a shape of at most {arrays.MAX_NDIM} dims and "
+                       f"{limits.MAX_TENSOR_NUMEL} elements")
     return value
 
 

@@ -19,9 +19,10 @@ DTYPES: dict[str, np.dtype] = {
 }
 # bfloat16 (numpy has no such dtype) is stored as its raw 16 bits and widened to float32 on read.
 BFLOAT16 = "bfloat16"
-MAX_NDIM = 8
+# numpy 1 reshapes to at most 32 dims; torch records more only in contrived cases.
+MAX_NDIM = 32
 # A shape of MAX_NDIM 20-digit dims fits; longer text is crafted, and is refused unparsed.
-MAX_SHAPE_CHARS = 256
+MAX_SHAPE_CHARS = 24 * MAX_NDIM
 
 
 def itemsize(dtype: str) -> int:
