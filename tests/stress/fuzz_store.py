@@ -220,6 +220,8 @@ CRAFTED: dict[str, Callable[[], list[str]]] = {
     "stat-text": lambda: ["UPDATE records SET mean = 'abc'"],
     "kpi-step-text": lambda: ["UPDATE kpis SET step = 'abc' || step"],
     "quantity-step-real": lambda: ["UPDATE quantities SET step = step + 0.5"],
+    "record-iteration-text": lambda: ["UPDATE records SET iteration = 'abc' || iteration"],
+    "anomaly-step-text": lambda: ["UPDATE anomalies SET step = 'abc'"],
 }
 
 

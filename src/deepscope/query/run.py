@@ -129,6 +129,8 @@ class Run:
         rows = r.query(sql + " ORDER BY r.step, r.iteration, t.id, r.direction", args)
         df = pd.DataFrame(rows, columns=["step", "iteration", "tensor", "direction",
                                          *STAT_COLUMNS])
+        checks.integers(df["step"], "records", "step", r.path)
+        checks.integers(df["iteration"], "records", "iteration", r.path)
         return checks.numbers(df, STAT_COLUMNS, "records", r.path)
 
     def stats(self, tensor: str | None = None, *, direction: str | None = None,
@@ -278,6 +280,7 @@ class Run:
                        "FROM anomalies ORDER BY step, id")
         df = pd.DataFrame(rows, columns=["step", "tensor", "detector", "value", "threshold",
                                          "message"])
+        checks.integers(df["step"], "anomalies", "step", r.path)
         for column in ("tensor", "detector", "message"):
             checks.texts(df[column], "anomalies", column, r.path)
         return checks.numbers(df, ["value", "threshold"], "anomalies", r.path)
