@@ -16,7 +16,7 @@ import pytest
 from werkzeug.test import Client
 
 from deepscope import CorruptRunError
-from deepscope.gui import figures, graph_view, server
+from deepscope.gui import figures, graph_view, http_guard, server
 from deepscope.gui.data import LRU, ProjectData, approx_bytes
 from deepscope.gui.selection import Request, resolve
 
@@ -49,7 +49,7 @@ def test_allowed_hosts_follow_the_bound_address() -> None:
 
 def test_request_bodies_over_the_cap_are_refused_unread(client: Client) -> None:
     """Before: four 200 MB POSTs left the server at 2.3 GB."""
-    body = b"x" * (server.MAX_REQUEST_BYTES + 1)
+    body = b"x" * (http_guard.MAX_REQUEST_BYTES + 1)
     reply = client.post("/_dash-update-component", data=body,
                         headers={"Host": "127.0.0.1", "Content-Type": "application/json"})
     assert reply.status_code == 413

@@ -44,10 +44,10 @@ def ls(args: argparse.Namespace) -> int:
         try:
             steps = run.steps()
             kpi_steps = run.kpis()["step"].nunique()
-            kinds = ",".join(run.kinds())
+            kinds = clean(",".join(run.kinds()))  # a newline in a kind would forge a row
             first, last = (steps[0], steps[-1]) if steps else ("-", "-")
-            print(f"{clean(name):<24} {len(steps):>9} {first!s:>7} {last!s:>7} "
-                  f"{kpi_steps:>9} {clean(kinds)[:20]:<20} {_size(run.size_bytes()):>9}")
+            print(f"{name:<24} {len(steps):>9} {first!s:>7} {last!s:>7} {kpi_steps:>9} "
+                  f"{kinds[:20]:<20} {_size(run.size_bytes()):>9}")
         finally:
             run.close()
     return 0

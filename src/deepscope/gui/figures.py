@@ -30,8 +30,9 @@ def plain(text: str) -> str:
 
 def base_layout(title: str = "", *, height: int = 260, **extra: Any) -> dict[str, Any]:
     """The common plotly layout; `extra` keys are merged into it (dicts one level deep)."""
+    title = plain(title)
     layout: dict[str, Any] = {
-        "title": {"text": plain(title), "font": {"size": 13}, "x": 0.01, "xanchor": "left"},
+        "title": {"text": title, "font": {"size": 13}, "x": 0.01, "xanchor": "left"},
         "height": height, "margin": {"l": 56, "r": 12, "t": 34 if title else 12, "b": 38},
         "paper_bgcolor": "#ffffff", "plot_bgcolor": "#ffffff",
         "font": {"family": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif",

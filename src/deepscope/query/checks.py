@@ -39,6 +39,15 @@ def numbers(df: pd.DataFrame, columns: Iterable[str], table: str, path: Path) ->
     return df
 
 
+def number(value: Any, field: str, path: Path) -> float:
+    """One stored number as a float (NULL: NaN); anything else is damage."""
+    if value is None:
+        return math.nan
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _damaged(path, field, value, "a number")
+    return float(value)
+
+
 def integers(values: Iterable[Any], table: str, column: str, path: Path,
              cap: int | None = None) -> None:
     """Each value an int (in [0, cap] when a cap is given), with the field named. A Series
@@ -65,11 +74,28 @@ def _capped(value: Any, cap: int, field: str, path: Path, low: int = 0) -> int:
         raise CorruptRunError(f"{path}: {exc}") from None
 
 
-def texts(values: Iterable[Any], table: str, column: str, path: Path) -> None:
-    """Each value is text."""
-    for v in values:
+def texts(values: Iterable[Any], table: str, column: str, path: Path) -> list[str]:
+    """The values, each checked to be text."""
+    out = list(values)
+    for v in out:
         if not isinstance(v, str):
             raise _damaged(path, f"{table}.{column}", v, "text")
+    return out
+
+
+def table(df: pd.DataFrame, name: str, path: Path, *, ints: Iterable[str] = (),
+          texts_: Iterable[str] = (), numbers_: Iterable[str] = (),
+          counts: dict[str, int] | None = None) -> pd.DataFrame:
+    """`df` read from table `name`: `ints` columns checked to hold integers, `counts` integers
+    in [0, cap] ({column: cap}), `texts_` text, `numbers_` numbers (returned as float64, NULL
+    as NaN)."""
+    for column in ints:
+        integers(df[column], name, column, path)
+    for column, cap in (counts or {}).items():
+        integers(df[column], name, column, path, cap)
+    for column in texts_:
+        texts(df[column], name, column, path)
+    return numbers(df, numbers_, name, path)
 
 
 def shape(value: Any, path: Path) -> list[int]:

@@ -9,7 +9,6 @@ import numpy as np
 import pandas as pd
 
 from ..errors import CorruptRunError
-from ..store import limits
 from ..store.layout import check_links, rank_files
 from ..store.reader import StoreReader
 from ..store.schema import STAT_COLUMNS
@@ -70,11 +69,9 @@ class Run:
                    for p in (f, f.with_name(f.name + "-wal")) if p.exists())
 
     def kinds(self, rank: int = 0) -> list[str]:
-        r = self._r(rank)
-        kinds = [k for (k,) in r.query(
-            "SELECT kind FROM steps UNION SELECT kind FROM kpis ORDER BY 1")]
-        checks.texts(kinds, "steps", "kind", r.path)
-        return kinds
+        rows = self._r(rank).query(
+            "SELECT kind FROM steps UNION SELECT kind FROM kpis ORDER BY 1")
+        return checks.texts([k for (k,) in rows], "steps", "kind", self._r(rank).path)
 
     def steps(self, kind: str | None = None, rank: int = 0) -> list[int]:
         """Recorded steps (with tensor data), ascending."""
@@ -85,13 +82,13 @@ class Run:
 
     def step_table(self, rank: int = 0) -> pd.DataFrame:
         """One row per recorded step: step, kind, iterations, wall_time."""
-        r = self._r(rank)
-        rows = r.query("SELECT step, kind, iterations, wall_time FROM steps ORDER BY step")
-        df = pd.DataFrame(rows, columns=["step", "kind", "iterations", "wall_time"])
-        checks.integers(df["step"], "steps", "step", r.path)
-        checks.texts(df["kind"], "steps", "kind", r.path)
-        checks.integers(df["iterations"], "steps", "iterations", r.path, limits.MAX_ITERATIONS)
-        return checks.numbers(df, ["wall_time"], "steps", r.path)
+        rows = self._r(rank).query(
+            "SELECT step, kind, iterations, wall_time FROM steps ORDER BY step")
+        return checks.table(pd.DataFrame(rows, columns=["step", "kind", "iterations",
+                                                        "wall_time"]), "steps",
+                            self._r(rank).path, ints=["step"], texts_=["kind"],
+                            numbers_=["wall_time"],
+                            counts={"iterations": checks.limits.MAX_ITERATIONS})
 
     def tensors(self, rank: int = 0) -> pd.DataFrame:
         """Named tensors: name, role, node, role_in_node, shape (first seen), dtype, batch_dim."""
@@ -125,13 +122,12 @@ class Run:
                "JOIN steps s ON s.step = r.step")
         if where:
             sql += " WHERE " + " AND ".join(where)
-        r = self._r(rank)
-        rows = r.query(sql + " ORDER BY r.step, r.iteration, t.id, r.direction", args)
+        rows = self._r(rank).query(sql + " ORDER BY r.step, r.iteration, t.id, r.direction",
+                                   args)
         df = pd.DataFrame(rows, columns=["step", "iteration", "tensor", "direction",
                                          *STAT_COLUMNS])
-        checks.integers(df["step"], "records", "step", r.path)
-        checks.integers(df["iteration"], "records", "iteration", r.path)
-        return checks.numbers(df, STAT_COLUMNS, "records", r.path)
+        return checks.table(df, "records", self._r(rank).path, ints=["step", "iteration"],
+                            numbers_=STAT_COLUMNS)
 
     def stats(self, tensor: str | None = None, *, direction: str | None = None,
               statistic: str | None = None, step: int | None = None,
@@ -218,19 +214,15 @@ class Run:
         sql, args = "SELECT step, kind, name, value FROM kpis", ()
         if name is not None:
             sql, args = sql + " WHERE name = ?", (name,)
-        r = self._r(rank)
-        rows = r.query(sql + " ORDER BY name, step", args)
+        rows = self._r(rank).query(sql + " ORDER BY name, step", args)
         df = pd.DataFrame(rows, columns=["step", "kind", "name", "value"])
-        checks.texts(df["name"], "kpis", "name", r.path)
-        checks.integers(df["step"], "kpis", "step", r.path)
-        return checks.numbers(df, ["value"], "kpis", r.path)
+        return checks.table(df, "kpis", self._r(rank).path, ints=["step"], texts_=["name"],
+                            numbers_=["value"])
 
     def notes(self, rank: int = 0) -> pd.DataFrame:
-        r = self._r(rank)
-        rows = r.query("SELECT wall_time, step, text FROM notes ORDER BY id")
-        checks.texts((text for _, _, text in rows), "notes", "text", r.path)
-        df = pd.DataFrame(rows, columns=["wall_time", "step", "text"])
-        return checks.numbers(df, ["wall_time"], "notes", r.path)
+        rows = self._r(rank).query("SELECT wall_time, step, text FROM notes ORDER BY id")
+        return checks.table(pd.DataFrame(rows, columns=["wall_time", "step", "text"]), "notes",
+                            self._r(rank).path, texts_=["text"], numbers_=["wall_time"])
 
     def quantities(self, name: str | None = None, layer: str | None = None,
                    rank: int = 0) -> pd.DataFrame:
@@ -249,13 +241,9 @@ class Run:
         records = []
         checks.integers((row[0] for row in rows), "quantities", "step", r.path)
         for step, qname, qlayer, value, meta in rows:
-            if value is not None and (isinstance(value, bool)
-                                      or not isinstance(value, (int, float))):
-                checks.numbers(pd.DataFrame({"value": [value]}), ["value"], "quantities",
-                               r.path)
             m = r.decode_json(meta, "quantity metadata")
             records.append({"step": step, "name": qname, "layer": qlayer,
-                            "value": np.nan if value is None else float(value),
+                            "value": checks.number(value, "quantities.value", r.path),
                             "meta": m if isinstance(m, dict) else {}})
         return pd.DataFrame(records, columns=["step", "name", "layer", "value", "meta"])
 
@@ -275,15 +263,13 @@ class Run:
         return counts, meta
 
     def anomalies(self, rank: int = 0) -> pd.DataFrame:
-        r = self._r(rank)
-        rows = r.query("SELECT step, tensor, detector, value, threshold, message "
-                       "FROM anomalies ORDER BY step, id")
-        df = pd.DataFrame(rows, columns=["step", "tensor", "detector", "value", "threshold",
-                                         "message"])
-        checks.integers(df["step"], "anomalies", "step", r.path)
-        for column in ("tensor", "detector", "message"):
-            checks.texts(df[column], "anomalies", column, r.path)
-        return checks.numbers(df, ["value", "threshold"], "anomalies", r.path)
+        rows = self._r(rank).query("SELECT step, tensor, detector, value, threshold, message "
+                                   "FROM anomalies ORDER BY step, id")
+        return checks.table(pd.DataFrame(rows, columns=["step", "tensor", "detector", "value",
+                                                        "threshold", "message"]), "anomalies",
+                            self._r(rank).path, ints=["step"],
+                            texts_=["tensor", "detector", "message"],
+                            numbers_=["value", "threshold"])
 
 
 def open_run(path: str | Path) -> Run:

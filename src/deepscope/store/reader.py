@@ -140,8 +140,7 @@ class StoreReader:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._con = open_readonly(path)
-        # Decoded parts of the last steps read, least recent first, at most PART_CACHE_BYTES.
-        self._parts: OrderedDict[tuple[int, int], bytes] = OrderedDict()
+        self._parts: OrderedDict[tuple[int, int], bytes] = OrderedDict()  # least recent first
         self._parts_lock = threading.Lock()  # the GUI server reads from several threads
 
     def close(self) -> None:
@@ -162,9 +161,10 @@ class StoreReader:
             if key == "schema_version":
                 out[key] = value
                 continue
+            if isinstance(value, str) and len(value) > limits.MAX_JSON_CHARS:
+                out[key] = value  # over the cap: kept as stored, not parsed
+                continue
             try:
-                if len(value) > limits.MAX_JSON_CHARS:
-                    raise ValueError("over the cap: kept as stored")
                 out[key] = json.loads(value)
             except (TypeError, ValueError, RecursionError):
                 out[key] = value
@@ -179,8 +179,8 @@ class StoreReader:
     def step_part(self, step: int, part: int) -> bytes:
         """The uncompressed bytes of one part of a step's arrays, validated (see `codecs`).
 
-        The last few parts are kept: views of one step are read in a row (the GUI shows
-        several), and a committed step never changes.
+        The last few parts are kept (at most `limits.PART_CACHE_BYTES`): views of one step
+        are read in a row (the GUI shows several), and a committed step never changes.
         """
         key = (step, part)
         with self._parts_lock:
