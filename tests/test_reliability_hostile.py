@@ -297,6 +297,7 @@ CRAFTED_REFUSALS = {
     "stat-text": "stored records.mean holds 'abc', not a number",
     "kpi-step-text": "stored kpis.step holds 'abc0', not an integer",
     "quantity-step-real": "stored quantities.step holds 1.5, not an integer",
+    "quantity-value-text": "stored quantities.value holds 'abc', not a number",
     "record-iteration-text": "stored records.iteration holds 'abc0', not an integer",
     "anomaly-step-text": "stored anomalies.step holds 'abc', not an integer",
 }

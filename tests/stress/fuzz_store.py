@@ -220,6 +220,7 @@ CRAFTED: dict[str, Callable[[], list[str]]] = {
     "stat-text": lambda: ["UPDATE records SET mean = 'abc'"],
     "kpi-step-text": lambda: ["UPDATE kpis SET step = 'abc' || step"],
     "quantity-step-real": lambda: ["UPDATE quantities SET step = step + 0.5"],
+    "quantity-value-text": lambda: ["UPDATE quantities SET value = 'abc'"],
     "record-iteration-text": lambda: ["UPDATE records SET iteration = 'abc' || iteration"],
     "anomaly-step-text": lambda: ["UPDATE anomalies SET step = 'abc'"],
 }

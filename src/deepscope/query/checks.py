@@ -30,22 +30,16 @@ def numbers(df: pd.DataFrame, columns: Iterable[str], table: str, path: Path) ->
     for column in columns:
         values = df[column]
         if not (pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values)):
-            bad = next((v for v in values if v is not None and (isinstance(v, bool) or not
-                                                                isinstance(v, (int, float)))),
-                       None)
-            if bad is not None:
-                raise _damaged(path, f"{table}.{column}", bad, "a number")
+            numeric(values, table, column, path)
         df[column] = values.astype(float)
     return df
 
 
-def number(value: Any, field: str, path: Path) -> float:
-    """One stored number as a float (NULL: NaN); anything else is damage."""
-    if value is None:
-        return math.nan
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _damaged(path, field, value, "a number")
-    return float(value)
+def numeric(values: Iterable[Any], table: str, column: str, path: Path) -> None:
+    """Each value a number or NULL."""
+    for v in values:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise _damaged(path, f"{table}.{column}", v, "a number")
 
 
 def integers(values: Iterable[Any], table: str, column: str, path: Path,

@@ -240,10 +240,11 @@ class Run:
         rows = r.query(sql + " ORDER BY name, layer, step", args)
         records = []
         checks.integers((row[0] for row in rows), "quantities", "step", r.path)
+        checks.numeric((row[3] for row in rows), "quantities", "value", r.path)
         for step, qname, qlayer, value, meta in rows:
             m = r.decode_json(meta, "quantity metadata")
             records.append({"step": step, "name": qname, "layer": qlayer,
-                            "value": checks.number(value, "quantities.value", r.path),
+                            "value": np.nan if value is None else float(value),
                             "meta": m if isinstance(m, dict) else {}})
         return pd.DataFrame(records, columns=["step", "name", "layer", "value", "meta"])
 
