@@ -19,10 +19,10 @@ class Project:
         check_links(self.path)
 
     def runs(self) -> list[str]:
-        """Run names, sorted; re-read on every call so new runs appear. A run folder that is a
-        link to a folder outside the project is not listed (see `store.layout`)."""
+        """Run names, sorted; re-read on every call so new runs appear."""
         if is_run_dir(self.path):
             return [self.path.name]
+        # a run folder linked in from outside the project is not listed (see store.layout)
         return sorted(p.name for p in self.path.iterdir()
                       if p.is_dir() and inside(p, self.path) and is_run_dir(p))
 
