@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import sqlite3
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -141,6 +142,21 @@ def crafted_shape(tmp: Path) -> None:
 def damaged_step_data(tmp: Path) -> None:
     run = edit(tmp, "UPDATE step_blobs SET data = substr(data, 1, length(data) / 2)")
     deepscope.open_run(run).values("x", 0, view="samples")
+
+
+def crafted_bomb(tmp: Path) -> None:
+    """17 MiB of zeros in a 17 kB stream, in a file far smaller than a quarter of that."""
+    bomb = zlib.compress(bytes(17 * 2**20), 9)
+    run = edit(tmp, f"UPDATE step_blobs SET codec = 'zlib', raw_bytes = {17 * 2**20}, "
+                    f"data = x'{bomb.hex()}'")
+    deepscope.open_run(run).values("x", 0, view="samples")
+
+
+def linked_outside(tmp: Path) -> None:
+    recorded(tmp / "elsewhere").close()
+    (tmp / "r").mkdir()
+    (tmp / "r" / "rank0.sqlite").symlink_to(tmp / "elsewhere" / "r" / "rank0.sqlite")
+    deepscope.open_run(tmp / "r")
 
 
 def on_scope(call: Callable[[deepscope.Scope], object], **kwargs: object
@@ -285,6 +301,13 @@ CASES = [
     Case("Files", "read a crafted array shape", crafted_shape),
     Case("Files", "read a step whose compressed data is cut short", damaged_step_data),
     Case("Files", "open a run whose -wal file is another run's", foreign_wal),
+    Case("Files", "read a crafted iteration count (or any size over its cap)",
+         lambda t: deepscope.open_run(edit(t, "UPDATE steps SET iterations = 3000000"))
+         .step_table()),
+    Case("Files", "read a compressed part over the size cap (a zlib bomb)", crafted_bomb),
+    Case("Files", "read a number stored as text", lambda t: deepscope.open_run(
+        edit(t, "UPDATE records SET mean = 'abc'")).stats()),
+    Case("Files", "open a run whose rank0.sqlite links outside it", linked_outside),
     # --- command line ---
     Case("Command line", "deepscope ls runs/missing", cli_ls(lambda t: t / "missing")),
     Case("Command line", "deepscope ls runs (with a damaged run)",

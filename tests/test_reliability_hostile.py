@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import deepscope
 from deepscope import CorruptRunError
-from deepscope.store import arrays, codecs, reader
+from deepscope.store import arrays, codecs, limits, reader
 from deepscope.store.reader import StoreReader
 from tests.stress import fuzz_store, workload
 
@@ -149,7 +149,8 @@ def input_samples(column: str, value: object) -> str:
     ("shape", "'[-1]'", "invalid shape"),
     ("shape", "'[true]'", "invalid shape"),
     ("shape", "'[2.5]'", "invalid shape"),
-    ("shape", "'[1,1,1,1,1,1,1,1,1]'", "invalid shape"),
+    ("shape", "'[' || substr(replace(hex(zeroblob(33)), '00', '1,'), 1, 65) || ']'",
+     "invalid shape"),  # 33 dims
     ("shape", "'{\"dims\": 2}'", "invalid shape"),
     ("shape", "'not json'", "unreadable shape"),
     ("shape", "'[' || replace(hex(zeroblob(5000)), '00', '[')", "overlong"),
@@ -277,6 +278,123 @@ def test_histogram_stored_as_text_is_refused(tmp_path, sample):
         run.histogram("GradHist1d", 1, "0.weight")
 
 
+# --- crafted sizes and types: refused before allocation, peak memory within the cap ---------
+CRAFTED_REFUSALS = {
+    "iterations-3e6": "stored steps.iterations is 3000000, outside [0, 10000]",
+    "iterations-1e12": "stored steps.iterations is 1000000000000, outside",
+    "iterations-inf": "stored steps.iterations holds inf, not an integer",
+    "tensor-shape-1e12x3": "stored tensors.shape holds [1000000000000, 3], not a shape",
+    "array-shape-0x1e20": "invalid shape '[0, 99999999999999999999]'",
+    "zlib-bomb-41MB": "declares 42991616 bytes, more than the cap of 16777216 for this file",
+    "zlib-bomb-410MB": "declares 429916160 bytes, more than the cap of 16777216 for this file",
+    "histogram-bins-250M": "GradHist1d histogram metadata at step 1 edges bins is 250000000, "
+                           "outside",
+    "histogram-bins-2e9": "edges bins is 2000000000, outside",
+    "histogram-edges-text": "edges holds ['a', 2, 4], not [lo, hi, bins]",
+    "graph-40k-two-cycles": "stored graph tensor count is 40000, outside [0, 20000]",
+    "note-blob": r"stored notes.text holds b'\x00\xff', not text",
+    "kpi-text": "stored kpis.value holds 'abc', not a number",
+    "stat-text": "stored records.mean holds 'abc', not a number",
+    "kpi-step-text": "stored kpis.step holds 'abc0', not an integer",
+    "quantity-step-real": "stored quantities.step holds 1.5, not an integer",
+    "quantity-value-text": "stored quantities.value holds 'abc', not a number",
+    "record-iteration-text": "stored records.iteration holds 'abc0', not an integer",
+    "anomaly-step-text": "stored anomalies.step holds 'abc', not an integer",
+}
+
+
+def test_every_crafted_case_has_an_expected_refusal():
+    assert set(CRAFTED_REFUSALS) == set(fuzz_store.CRAFTED)
+
+
+@pytest.mark.parametrize("case", list(CRAFTED_REFUSALS))
+def test_crafted_sizes_are_refused_in_one_line_within_the_memory_cap(tmp_path, sample, case):
+    """Before: iterations, shapes, bins and graphs were read as declared (the GUI then spent
+    14-51 s or GBs on them), bombs decoded (41 MB: +288 MB RSS, 410 MB: +2.9 GB), wrong types
+    raised raw numpy/pandas errors. Now: one line naming the field, nothing allocated."""
+    run_dir = fuzz_store.crafted_run(tmp_path, sample, case)
+    size = (run_dir / "rank0.sqlite").stat().st_size
+    tracemalloc.start()
+    try:
+        result, rss = fuzz_store.peak_rss_of(lambda: fuzz_store.read_everything(run_dir))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert isinstance(result, CorruptRunError), result
+    assert CRAFTED_REFUSALS[case] in str(result) and str(result).isprintable(), result
+    assert rss <= limits.read_peak_cap(size)
+    assert peak < 8 * 2**20 + 8 * size  # refused before anything of the declared size exists
+
+
+@pytest.mark.parametrize("verb", [["plot", "-o", "{tmp}/x.png"],
+                                  ["export", "--tensorboard", "{tmp}/tb"]], ids=lambda v: v[0])
+def test_plot_and_export_refuse_crafted_histogram_bins_in_one_line(tmp_path, sample, capsys,
+                                                                   verb):
+    """Before: 250M bins made `plot` peak at 2.2 GB and `export --tensorboard` at 4.1 GB;
+    2e9 bins ended in a 19-line traceback."""
+    from deepscope.cli.main import main
+    for case in ("histogram-bins-250M", "histogram-bins-2e9"):
+        run_dir = fuzz_store.crafted_run(tmp_path, sample, case)
+        tracemalloc.start()
+        try:
+            code = main([verb[0], str(run_dir), *(a.format(tmp=tmp_path) for a in verb[1:])])
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and "edges bins is" in err, err
+        assert peak < 64 * 2**20
+
+
+def test_a_part_within_the_cap_reads_and_the_cap_follows_the_file_size(tmp_path, sample,
+                                                                      monkeypatch):
+    """16 MiB of zeros (a 16 kB stream) is allowed in any file; 17 MiB only in a file of
+    more than a quarter of that."""
+    run_dir = fuzz_store.crafted_run(tmp_path, sample, "iterations-inf")  # any run folder
+    for raw, ok in ((16 * 2**20, True), (17 * 2**20, False)):
+        con = sqlite3.connect(run_dir / "rank0.sqlite")
+        for statement in fuzz_store._bomb(raw):
+            con.execute(statement)
+        con.commit()
+        con.close()
+        with deepscope.open_run(run_dir) as run:
+            if ok:
+                assert run.values("input", 0, view="samples").shape == (raw // 2,)
+            else:
+                with pytest.raises(CorruptRunError, match="more than the cap of 16777216"):
+                    run.values("input", 0, view="samples")
+    monkeypatch.setattr(limits, "MIN_PART_CAP", 0)
+    assert limits.part_cap(1000) == 4000 and limits.read_peak_cap(1000) == 64 * 2**20 + 12000
+
+
+def test_the_decoded_parts_a_reader_keeps_are_bounded_in_bytes(tmp_path, sample, monkeypatch):
+    """Before: the last 8 parts whatever their size (8 bombs: 8 x 41 MB kept)."""
+    reader_ = StoreReader(run_with(tmp_path, sample) / "rank0.sqlite")
+    one = len(reader_.step_part(0, 0))
+    monkeypatch.setattr(limits, "PART_CACHE_BYTES", one + 1)
+    reader_.step_part(0, 1)
+    reader_.step_part(1, 0)
+    assert list(reader_._parts) == [(1, 0)]
+    reader_.close()
+
+
+def test_tensors_of_many_dims_read_back(tmp_path):
+    """Before: a 10-dim tensor recorded fine but its samples were refused as corrupt."""
+    with deepscope.Scope(tmp_path, "r", schedule=1) as scope, scope.step(0) as rec:
+        rec.tensor("x", torch.ones([2] * 10), role="input")
+    with deepscope.open_run(tmp_path / "r") as run:
+        assert run.tensors()["shape"].tolist() == [[2] * 10]
+        assert run.values("x", 0, view="samples").shape == (2,) * 10
+
+
+def test_bfloat16_views_decode_without_temporaries_and_exactly():
+    values = torch.tensor([[1.5, -2.0, 3.0e38], [float("inf"), float("nan"), -0.0]])
+    name, shape, data = arrays.encode(values.bfloat16())
+    out = arrays.decode(name, shape, memoryview(data))
+    np.testing.assert_array_equal(out, values.bfloat16().float().numpy())
+    assert out.dtype == np.float32 and out.flags.writeable
+
+
 # --- crafted JSON ----------------------------------------------------------------------------
 def test_invalid_and_deeply_nested_json_is_refused_or_kept_as_text(tmp_path, sample):
     deep = "'" + "[" * 100_000 + "'"
@@ -308,6 +426,50 @@ def test_a_graph_that_is_json_but_not_a_graph_is_refused(tmp_path, sample):
             run.graph(0)
 
 
+# --- links: nothing outside the folder given is read ----------------------------------------
+@pytest.fixture
+def linked_project(tmp_path, sample) -> Path:
+    """project/: inside (a run), local-link (rank0.sqlite -> a file beside it), linked-run (a
+    link to a run folder elsewhere), linked-file (rank0.sqlite -> a file elsewhere)."""
+    (tmp_path / "outside").mkdir()
+    outside = run_with(tmp_path / "outside", sample)
+    project = tmp_path / "project"
+    for name in ("inside", "local-link", "linked-file"):
+        (project / name).mkdir(parents=True)
+    (project / "inside" / "rank0.sqlite").write_bytes(sample)
+    (project / "local-link" / "kept.db").write_bytes(sample)
+    (project / "local-link" / "rank0.sqlite").symlink_to("kept.db")
+    (project / "linked-run").symlink_to(outside)
+    (project / "linked-file" / "rank0.sqlite").symlink_to(outside / "rank0.sqlite")
+    return project
+
+
+def test_links_leaving_the_folder_are_not_listed_or_read(linked_project):
+    """Before: the GUI listed and served linked-run, and every reader read linked-file."""
+    from deepscope.gui.data import ProjectData
+    assert deepscope.open_project(linked_project).runs() == ["inside", "local-link"]
+    assert ProjectData(linked_project).runs() == ["inside", "local-link"]
+    with pytest.raises(ValueError, match="no run 'linked-run'"):
+        ProjectData(linked_project).run("linked-run")
+    assert deepscope.open_run(linked_project / "local-link").steps() == [0, 1]
+    with pytest.raises(ValueError, match="rank0.sqlite in .* is a link to a file outside the "
+                                         "run folder; .* copy the file into the run folder"):
+        deepscope.open_run(linked_project / "linked-file")
+
+
+@pytest.mark.parametrize("verb", [["ls"], ["doctor"], ["plot", "-o", "{tmp}/x.png"],
+                                  ["export", "--parquet", "{tmp}/pq"]],
+                         ids=lambda v: v[0])
+def test_cli_verbs_refuse_a_rank_file_linked_from_outside(linked_project, tmp_path, capsys,
+                                                          verb):
+    from deepscope.cli.main import main
+    argv = [verb[0], str(linked_project / "linked-file"),
+            *(a.format(tmp=tmp_path) for a in verb[1:])]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "is a link to a file outside the run folder" in err and err.count("\n") == 1
+
+
 # --- names are data, never SQL or markup -----------------------------------------------------
 HOSTILE_NAMES = ["x'); DROP TABLE steps; --", 'y" OR 1=1 --', "z\n\x1b[31mred", "../../etc"]
 
@@ -326,6 +488,33 @@ def test_sql_and_control_characters_in_names_are_plain_data(tmp_path):
     for i, name in enumerate(HOSTILE_NAMES):
         assert (run.values(name, 0, view="samples") == i).all()
         assert run.kpis(name)["value"].tolist() == [i]
+
+
+ESCAPES = "char(27) || ']52;c;SGVsbG8=' || char(7) || char(27) || '[2J' || char(8238)"
+
+
+def test_ls_and_doctor_show_control_characters_instead_of_obeying_them(tmp_path, sample,
+                                                                        capsys):
+    """Before: ESC ] 52 (clipboard write), ESC [ 2 J (clear screen) and U+202E (reverse the
+    line) in kinds, tensor names and anomaly messages reached the terminal raw."""
+    from deepscope.cli.main import main
+    run_dir = run_with(tmp_path, sample, f"UPDATE steps SET kind = 'k' || {ESCAPES}",
+                       f"UPDATE kpis SET kind = 'k' || {ESCAPES}",
+                       f"UPDATE anomalies SET tensor = 't' || {ESCAPES}, "
+                       f"message = 'm' || {ESCAPES}")
+    for verb in ("ls", "doctor"):
+        assert main([verb, str(run_dir)]) == 0
+        out = capsys.readouterr().out
+        assert not any(c in out for c in "\x1b\x07\u202e"), repr(out)
+        shown = "\\x1b]52;c;SGVsbG8=\\x07\\x1b[2J\\u202e"
+        assert (shown[:16] if verb == "ls" else shown) in out  # ls cuts kinds at 20
+
+
+def test_clean_escapes_what_a_terminal_would_obey():
+    from deepscope.cli.text import clean
+    assert clean("plain – ünïcode") == "plain – ünïcode"
+    assert clean("a\x1b[2Jb\n\tc\x9b") == "a\\x1b[2Jb\\n\\tc\\x9b"
+    assert clean("line\n\tnext\r", keep="\n\t") == "line\n\tnext\\r"
 
 
 def test_project_paths_with_uri_characters_open_the_right_file(tmp_path):

@@ -76,7 +76,7 @@ def test_views_of_one_step_decompress_each_part_once(tmp_path, monkeypatch):
                 rec.tensor("x", torch.zeros(8, 30), role="input")  # zeros: one samples part
     calls = []
     real = codecs.decode
-    monkeypatch.setattr(codecs, "decode", lambda *a: calls.append(a[0]) or real(*a))
+    monkeypatch.setattr(codecs, "decode", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
     run = deepscope.open_run(tmp_path / "r")
     for step in (0, 1, 0):
         for view in run.views("x", step):

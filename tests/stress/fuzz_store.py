@@ -10,23 +10,31 @@ sample of these through hypothesis; this script runs a long random campaign:
     python -m tests.stress.fuzz_store [--files 2000] [--seed 0]
 
 Prints one JSON line of figures (files tried, read fine, refused, escaped); exit 0 = none
-escaped.
+escaped. `--crafted` instead reads each crafted file of `CRAFTED` (sizes a file declares:
+iterations, shapes, compressed bombs, histogram bins, graph nodes, values of the wrong type)
+and prints one JSON line per case with its peak RSS growth; exit 0 = every case refused in
+one line (or read) within `limits.read_peak_cap`.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import resource
+import sqlite3
 import sys
 import tempfile
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 import deepscope
 from deepscope.instruments.base import QuantityValue
+from deepscope.store import limits
 from tests.stress import workload
 
 RUN = "fuzzed"
@@ -41,7 +49,7 @@ def make_sample_run(root: Path) -> Path:
     scope.writer.submit_quantities([
         QuantityValue("GradNorm", 1, value=0.5, meta={"estimator": "exact"}),
         QuantityValue("GradHist1d", 1, layer="0.weight", array=np.arange(4.0),
-                      meta={"edges": [0.0, 1.0, 2.0, 3.0, 4.0], "nan": 0})])
+                      meta={"edges": [0.0, 4.0, 4], "nan": 0})])
     scope.writer.submit_anomalies([(1, "0", "spike", 3.0, 2.0, "loss spiked")])
     scope.close()
     return root / "sample" / "rank0.sqlite"
@@ -158,11 +166,136 @@ def campaign(files: int, seed: int) -> dict:
     return figures
 
 
+# --- crafted sizes ---------------------------------------------------------------------------
+def zlib_bomb(raw: int) -> bytes:
+    """A valid zlib stream of `raw` zero bytes (about raw / 1000 bytes), made in slices."""
+    packer, zeros = zlib.compressobj(9), bytes(2**20)
+    out = [packer.compress(zeros[:min(2**20, raw - done)]) for done in range(0, raw, 2**20)]
+    return b"".join([*out, packer.flush()])
+
+
+def _bomb(raw: int) -> list[str]:
+    """Step 0's bfloat16 part replaced by a bomb of `raw` bytes, the input's samples pointing at
+    all of it: read as declared, one view would be raw / 2 values."""
+    return [f"UPDATE step_blobs SET codec = 'zlib', raw_bytes = {raw}, "
+            f"data = x'{zlib_bomb(raw).hex()}' WHERE step = 0 AND part = 1",
+            f"UPDATE arrays SET dtype = 'bfloat16', shape = '[{raw // 2}]', part = 1, "
+            f"offset = 0, nbytes = {raw} WHERE view = 'samples' AND step = 0 AND tensor_id = "
+            "(SELECT id FROM tensors WHERE name = 'input')"]
+
+
+def _graph_of_two_cycles(nodes: int) -> str:
+    """A graph body of `nodes` tensors in lag-0 2-cycles (what made layouts quadratic)."""
+    tensors = [{"name": f"t{i}", "role": "activation", "node": f"t{i}"} for i in range(nodes)]
+    edges = [e for i in range(0, nodes - 1, 2) for e in (
+        {"source": f"t{i}", "target": f"t{i + 1}", "lag": 0, "manual": True},
+        {"source": f"t{i + 1}", "target": f"t{i}", "lag": 0, "manual": True})]
+    body = json.dumps({"tensors": tensors, "edges": edges})
+    return f"UPDATE graphs SET body = '{body}'"
+
+
+def _histogram_edges(edges: str) -> list[str]:
+    """The sample's histogram with crafted edges, made whole-model (what `plot` draws)."""
+    return [f"UPDATE quantities SET meta = '{{\"edges\": {edges}}}', layer = '' WHERE "
+            "name = 'GradHist1d'", "UPDATE quantity_arrays SET layer = ''"]
+
+
+# Each case: SQL statements that make the sample run declare one hostile size or type.
+CRAFTED: dict[str, Callable[[], list[str]]] = {
+    "iterations-3e6": lambda: ["UPDATE steps SET iterations = 3000000"],
+    "iterations-1e12": lambda: ["UPDATE steps SET iterations = 1000000000000"],
+    "iterations-inf": lambda: ["UPDATE steps SET iterations = 1e999"],
+    "tensor-shape-1e12x3": lambda: ["UPDATE tensors SET shape = '[1000000000000, 3]'"],
+    "array-shape-0x1e20": lambda: [
+        "UPDATE arrays SET shape = '[0, 99999999999999999999]', nbytes = 0 WHERE "
+        "view = 'samples'"],
+    "zlib-bomb-41MB": lambda: _bomb(41 * 2**20),
+    "zlib-bomb-410MB": lambda: _bomb(410 * 2**20),
+    "histogram-bins-250M": lambda: _histogram_edges("[-2, 2, 250000000]"),
+    "histogram-bins-2e9": lambda: _histogram_edges("[-2, 2, 2000000000]"),
+    "histogram-edges-text": lambda: _histogram_edges('["a", 2, 4]'),
+    "graph-40k-two-cycles": lambda: [_graph_of_two_cycles(40_000)],
+    "note-blob": lambda: ["UPDATE notes SET text = x'00ff'"],
+    "kpi-text": lambda: ["UPDATE kpis SET value = 'abc'"],
+    "stat-text": lambda: ["UPDATE records SET mean = 'abc'"],
+    "kpi-step-text": lambda: ["UPDATE kpis SET step = 'abc' || step"],
+    "quantity-step-real": lambda: ["UPDATE quantities SET step = step + 0.5"],
+    "quantity-value-text": lambda: ["UPDATE quantities SET value = 'abc'"],
+    "record-iteration-text": lambda: ["UPDATE records SET iteration = 'abc' || iteration"],
+    "anomaly-step-text": lambda: ["UPDATE anomalies SET step = 'abc'"],
+}
+
+
+def crafted_run(root: Path, sample: bytes, case: str) -> Path:
+    """A run folder holding the sample run edited by the SQL of `CRAFTED[case]`."""
+    run_dir = root / case
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "rank0.sqlite"
+    path.write_bytes(sample)
+    con = sqlite3.connect(path)
+    for statement in CRAFTED[case]():
+        con.execute(statement)
+    con.commit()
+    con.execute("VACUUM")  # the file's size is what it stores, not the pages it freed
+    con.close()
+    return run_dir
+
+
+def _rss_kb(field: str) -> int:
+    """VmRSS or VmHWM (peak) of this process, in kB, from /proc/self/status."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise OSError(f"no {field} in /proc/self/status")
+
+
+def peak_rss_of(read: Callable[[], object]) -> tuple[object, int]:
+    """(what `read()` returned or raised, peak RSS growth in bytes while it ran).
+
+    The kernel's peak is reset first (/proc/self/clear_refs, Linux >= 4.0), so each case is
+    measured alone in one process.
+    """
+    Path("/proc/self/clear_refs").write_text("5")
+    base = _rss_kb("VmRSS")
+    try:
+        result: object = read()
+    except Exception as exc:  # noqa: BLE001 - the caller judges what came out
+        result = exc
+    return result, max(0, _rss_kb("VmHWM") - base) * 1024
+
+
+def crafted_campaign(root: Path) -> list[dict]:
+    """Read every crafted case; one record per case: outcome, file size, peak RSS, cap."""
+    sample = make_sample_run(root / "sample").read_bytes()
+    records = []
+    for case in CRAFTED:
+        run_dir = crafted_run(root, sample, case)
+        size = (run_dir / "rank0.sqlite").stat().st_size
+        result, peak = peak_rss_of(functools.partial(read_everything, run_dir))
+        one_line = isinstance(result, (ValueError, KeyError)) and str(result).isprintable()
+        records.append({
+            "case": case, "file_bytes": size, "peak_rss_mb": round(peak / 2**20, 1),
+            "cap_mb": round(limits.read_peak_cap(size) / 2**20, 1),
+            "outcome": (f"{type(result).__name__}: {result}"[:160]
+                        if isinstance(result, Exception) else f"read {result} values"),
+            "ok": (one_line or not isinstance(result, Exception))
+                  and peak <= limits.read_peak_cap(size)})
+    return records
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--files", type=int, default=2000, help="damaged files to try")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--crafted", action="store_true",
+                   help="read the crafted-size cases instead; report peak RSS per case")
     args = p.parse_args(argv)
+    if args.crafted:
+        with tempfile.TemporaryDirectory() as tmp:
+            records = crafted_campaign(Path(tmp))
+        for record in records:
+            print(json.dumps(record))
+        return 0 if all(r["ok"] for r in records) else 1
     figures = campaign(args.files, args.seed)
     print(json.dumps(figures))
     return 1 if figures["escaped"] else 0

@@ -10,6 +10,7 @@ from pathlib import Path
 from ..errors import DeepscopeError
 from ..query import Project, Run
 from ..store.layout import is_run_dir
+from .text import SafeStream, clean
 
 Verb = Callable[[argparse.Namespace], int]
 VERBS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Verb]] = {}
@@ -43,7 +44,7 @@ def ls(args: argparse.Namespace) -> int:
         try:
             steps = run.steps()
             kpi_steps = run.kpis()["step"].nunique()
-            kinds = ",".join(run.kinds())
+            kinds = clean(",".join(run.kinds()))  # a newline in a kind would forge a row
             first, last = (steps[0], steps[-1]) if steps else ("-", "-")
             print(f"{name:<24} {len(steps):>9} {first!s:>7} {last!s:>7} {kpi_steps:>9} "
                   f"{kinds[:20]:<20} {_size(run.size_bytes()):>9}")
@@ -87,13 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Everything a verb prints passes through `clean`: names and texts come from run files.
+    stdout, stderr = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = SafeStream(stdout), SafeStream(stderr)
     try:
         return int(args.func(args) or 0)
     except (ValueError, TypeError, KeyError, DeepscopeError, OSError) as exc:
         # One line, no traceback: every deepscope error message names the fix.
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"deepscope: error: {msg}", file=sys.stderr)
+        print(f"deepscope: error: {clean(msg)}", file=sys.stderr)
         return 2
+    finally:
+        sys.stdout, sys.stderr = stdout, stderr
 
 
 if __name__ == "__main__":

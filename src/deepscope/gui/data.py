@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -17,31 +18,67 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import pandas as pd
 
 from ..query import Project, Run
 
 T = TypeVar("T")
+# What the caches of one run open in the GUI may hold, in bytes (estimated, see
+# `approx_bytes`): a crafted or huge run costs at most this much memory between requests.
+RUN_CACHE_BYTES = 64 * 2**20
+# Runs kept open at once (their readers and caches); the least recently used one is closed.
+MAX_OPEN_RUNS = 8
+
+
+def approx_bytes(obj: Any) -> int:
+    """Memory held by a cached value: DataFrames and arrays exactly, containers walked."""
+    total, stack = 0, [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, pd.DataFrame):
+            total += int(o.memory_usage(index=True, deep=True).sum())
+        elif isinstance(o, np.ndarray):
+            total += o.nbytes
+        else:
+            total += sys.getsizeof(o)
+            if isinstance(o, dict):
+                stack.extend(o.keys())
+                stack.extend(o.values())
+            elif isinstance(o, (list, tuple, set)):
+                stack.extend(o)
+            elif hasattr(o, "__dict__"):
+                stack.append(vars(o))
+    return total
 
 
 class LRU:
-    """A small thread-safe least-recently-used cache."""
+    """A small thread-safe least-recently-used cache of at most `size` items and `max_bytes`
+    (a value larger than that is returned, not kept)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, max_bytes: int = RUN_CACHE_BYTES) -> None:
         self.size = size
-        self._items: OrderedDict[Any, Any] = OrderedDict()
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[Any, tuple[Any, int]] = OrderedDict()  # value, bytes
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def get(self, key: Any, make: Callable[[], T]) -> T:
         with self._lock:
             if key in self._items:
                 self._items.move_to_end(key)
-                return self._items[key]
+                return self._items[key][0]
         value = make()  # outside the lock: building may take a while; a race only costs time
+        size = approx_bytes(value)
+        if size > self.max_bytes:
+            return value
         with self._lock:
-            self._items[key] = value
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
+            if key in self._items:
+                self._bytes -= self._items.pop(key)[1]
+            self._items[key] = (value, size)
+            self._bytes += size
+            while len(self._items) > self.size or self._bytes > self.max_bytes:
+                self._bytes -= self._items.popitem(last=False)[1][1]
         return value
 
 
@@ -51,9 +88,10 @@ class RunData:
     def __init__(self, run: Run) -> None:
         self.run = run
         self._lock = threading.RLock()
-        self._cache = LRU(64)
-        self._graphs = LRU(256)
-        self._steps = LRU(256)
+        # RUN_CACHE_BYTES in all: half for tables, a quarter each for graphs and step records
+        self._cache = LRU(64, RUN_CACHE_BYTES // 2)
+        self._graphs = LRU(256, RUN_CACHE_BYTES // 4)
+        self._steps = LRU(256, RUN_CACHE_BYTES // 4)
         self._identity = self._file_identity()
 
     def _file_identity(self) -> tuple[int, ...]:
@@ -166,7 +204,7 @@ class ProjectData:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._runs: dict[str, RunData] = {}
+        self._runs: OrderedDict[str, RunData] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
 
     def exists(self) -> bool:
@@ -179,7 +217,8 @@ class ProjectData:
         return Project(self.path).runs()
 
     def run(self, name: str) -> RunData:
-        """The cached reader of run `name` (opened on first use)."""
+        """The cached reader of run `name` (opened on first use; at most MAX_OPEN_RUNS stay
+        open, so the GUI's memory is bounded whatever the number of runs)."""
         with self._lock:
             data = self._runs.get(name)
             if data is not None and data.stale():
@@ -187,6 +226,10 @@ class ProjectData:
                 data = None
             if data is None:
                 data = self._runs[name] = RunData(Project(self.path).run(name))
+                while len(self._runs) > MAX_OPEN_RUNS:
+                    # A request still holding it reads on: a closed Run reopens its reader.
+                    self._runs.popitem(last=False)[1].close()
+            self._runs.move_to_end(name)
             return data
 
 

@@ -16,10 +16,21 @@ SERIES_COLOURS = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E
                   "#F0E442", "#000000")
 MARKERS_UP_TO = 400  # draw point markers only while they stay legible and cheap to render
 MAX_POINTS = 2000    # a line holds at most this many points: more than a chart has pixels
+# values_figure draws at most this many values (a ~20 MB response); larger arrays are named,
+# not drawn, so one array cannot make a response of hundreds of MB.
+MAX_DRAWN_VALUES = 1_000_000
+
+
+def plain(text: str) -> str:
+    """`text` shown as it is: Plotly renders a subset of HTML (<b>, <a href>, <br>) in
+    titles, legends, hover labels and annotations, and run, tensor, KPI and layer names come
+    from the file, so their markup characters become entities."""
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def base_layout(title: str = "", *, height: int = 260, **extra: Any) -> dict[str, Any]:
     """The common plotly layout; `extra` keys are merged into it (dicts one level deep)."""
+    title = plain(title)
     layout: dict[str, Any] = {
         "title": {"text": title, "font": {"size": 13}, "x": 0.01, "xanchor": "left"},
         "height": height, "margin": {"l": 56, "r": 12, "t": 34 if title else 12, "b": 38},
@@ -47,7 +58,7 @@ def integer_axis(count: int) -> dict[str, Any]:
 
 def note(text: str) -> dict[str, Any]:
     """A small grey remark at the top right of a chart (what is missing, what was thinned)."""
-    return {"text": text, "showarrow": False, "xref": "paper", "yref": "paper", "x": 1,
+    return {"text": plain(text), "showarrow": False, "xref": "paper", "yref": "paper", "x": 1,
             "y": 1.0, "xanchor": "right", "yanchor": "bottom",
             "font": {"size": 10, "color": "#888"}}
 
@@ -57,7 +68,7 @@ def message_figure(text: str, title: str = "", *, height: int = 260) -> Figure:
     layout = base_layout(title, height=height)
     layout["xaxis"] = {"visible": False}
     layout["yaxis"] = {"visible": False}
-    layout["annotations"] = [{"text": text, "showarrow": False, "xref": "paper",
+    layout["annotations"] = [{"text": plain(text), "showarrow": False, "xref": "paper",
                               "yref": "paper", "x": 0.5, "y": 0.5,
                               "font": {"size": 13, "color": "#666"}}]
     return {"data": [], "layout": layout}
@@ -97,6 +108,7 @@ def line_trace(name: str, x: Sequence[Any], y: Sequence[Any], colour_index: int 
     shown_x, shown_y = decimate(xs, ys)
     if len(shown_x) < len(xs):
         name = f"{name} (min/max of {len(xs)} points)"
+    name = plain(name)
     trace: dict[str, Any] = {
         "type": "scatter", "name": name, "x": shown_x.tolist(), "y": _finite_or_none(shown_y),
         "mode": "lines+markers" if len(shown_x) <= MARKERS_UP_TO else "lines",
@@ -126,7 +138,12 @@ def log_axis_fits(values: Sequence[Any]) -> bool:
 
 
 def values_figure(values: np.ndarray, title: str, *, xtitle: str = "neuron") -> Figure:
-    """A bar chart for 1-D values, a heatmap for 2-D (rows x columns)."""
+    """A bar chart for 1-D values, a heatmap for 2-D (rows x columns); over
+    MAX_DRAWN_VALUES values, a message saying so."""
+    if values.size > MAX_DRAWN_VALUES:
+        return message_figure(f"{values.size:,} values ({'x'.join(map(str, values.shape))}): "
+                              f"more than the {MAX_DRAWN_VALUES:,} a chart draws; read them "
+                              "with deepscope.open_run(...).values(...)", title)
     if values.ndim <= 1:
         v = values.reshape(-1)
         data = [{"type": "bar", "x": list(range(v.size)), "y": _finite_or_none(v),

@@ -11,7 +11,7 @@ sweeps), which removes most crossings in the graphs people record.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -82,12 +82,13 @@ def _layers(nodes: list[str], roles: dict[str, str], preds: dict[str, set[str]],
                                          if roles[n] in ROLE_ORDER else 3, n))
     indegree = {n: len(preds[n]) for n in nodes}
     layer = {n: 0 for n in nodes}
-    ready = [n for n in order if indegree[n] == 0]
+    ready = deque(n for n in order if indegree[n] == 0)
     seen: set[str] = set()
+    unseen = iter(order)  # where to look for a node to break a cycle at: each looked at once
     while len(seen) < len(nodes):
         if not ready:  # a lag-0 cycle (manual connections can make one): break it
-            ready = [next(n for n in order if n not in seen)]
-        n = ready.pop(0)
+            ready.append(next(n for n in unseen if n not in seen))
+        n = ready.popleft()
         if n in seen:
             continue
         seen.add(n)

@@ -12,6 +12,7 @@ import bisect
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..store import limits
 from .data import ProjectData, RunData
 
 BATCH_VIEWS = {"mean": "neuron_mean", "abs_max": "neuron_abs_max", "std": "neuron_std"}
@@ -222,7 +223,9 @@ def _resolve_batch(rd: RunData, info: dict[str, Any] | None,
     options = [{"label": labels[k], "value": k} for k in BATCH_VIEWS]
     n_samples = 0
     if batch_dim is not None and batch_dim < len(info["shape"]):
-        n_samples = min(int(rd.meta().get("max_samples", 0) or 0), int(info["shape"][batch_dim]))
+        stored = limits.capped_int(rd.meta().get("max_samples", 0) or 0, limits.MAX_SAMPLES,
+                                   "meta max_samples")
+        n_samples = min(stored, int(info["shape"][batch_dim]))
     options += [{"label": f"sample {i}", "value": f"sample:{i}"} for i in range(n_samples)]
     if asked in {o["value"] for o in options}:
         return asked, options

@@ -10,6 +10,9 @@ from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler
 from werkzeug.serving import make_server as _make_wsgi_server
 
 from .app import create_app
+from .http_guard import guarded, log_bad_request
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
 def is_loopback(host: str) -> bool:
@@ -22,18 +25,32 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def allowed_hosts(host: str) -> frozenset[str] | None:
+    """Host-header names a server bound to `host` answers (see `http_guard`); None: any,
+    for a server bound to every address (0.0.0.0, ::), reachable under names it cannot know.
+    """
+    name = host.strip("[]").lower()
+    if name in ("0.0.0.0", "::", ""):
+        return None
+    return LOOPBACK_NAMES | {name} if is_loopback(name) else frozenset({name})
+
+
 class _QuietHandler(WSGIRequestHandler):
     """No line per request: the GUI polls, and the terminal belongs to the user."""
 
     def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
         pass
 
+    def log_error(self, format: str, *args: object) -> None:
+        log_bad_request(self.address_string(), format % args)  # one line, never a traceback
+
 
 def make_server(project_path: str | Path, host: str = "127.0.0.1",
                 port: int = 8050) -> BaseWSGIServer:
     """A threaded HTTP server for the app (port 0: any free port, see `.server_port`)."""
     app = create_app(project_path)
-    return _make_wsgi_server(host, port, app.server, threaded=True,
+    wsgi = guarded(app.server, allowed_hosts(host))
+    return _make_wsgi_server(host, port, wsgi, threaded=True,
                              request_handler=_QuietHandler)
 
 

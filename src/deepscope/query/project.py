@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..store.layout import is_run_dir
+from ..store.layout import check_links, inside, is_run_dir
 from .run import Run
 
 
@@ -16,12 +16,15 @@ class Project:
         if not self.path.is_dir():
             raise ValueError(f"project folder {self.path} does not exist; pass the folder given "
                              "to deepscope.Scope(path, ...)")
+        check_links(self.path)
 
     def runs(self) -> list[str]:
         """Run names, sorted; re-read on every call so new runs appear."""
         if is_run_dir(self.path):
             return [self.path.name]
-        return sorted(p.name for p in self.path.iterdir() if p.is_dir() and is_run_dir(p))
+        # a run folder linked in from outside the project is not listed (see store.layout)
+        return sorted(p.name for p in self.path.iterdir()
+                      if p.is_dir() and inside(p, self.path) and is_run_dir(p))
 
     def run(self, name: str) -> Run:
         names = self.runs()

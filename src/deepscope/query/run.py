@@ -9,9 +9,10 @@ import numpy as np
 import pandas as pd
 
 from ..errors import CorruptRunError
-from ..store.layout import rank_files
+from ..store.layout import check_links, rank_files
 from ..store.reader import StoreReader
 from ..store.schema import STAT_COLUMNS
+from . import checks
 
 DIRECTIONS = ("forward", "grad")
 
@@ -25,6 +26,7 @@ class Run:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        check_links(self.path)
         files = rank_files(self.path)
         if not files:
             raise ValueError(f"no deepscope run at {self.path}: expected rank<N>.sqlite files "
@@ -69,7 +71,7 @@ class Run:
     def kinds(self, rank: int = 0) -> list[str]:
         rows = self._r(rank).query(
             "SELECT kind FROM steps UNION SELECT kind FROM kpis ORDER BY 1")
-        return [k for (k,) in rows]
+        return checks.texts([k for (k,) in rows], "steps", "kind", self._r(rank).path)
 
     def steps(self, kind: str | None = None, rank: int = 0) -> list[int]:
         """Recorded steps (with tensor data), ascending."""
@@ -82,7 +84,11 @@ class Run:
         """One row per recorded step: step, kind, iterations, wall_time."""
         rows = self._r(rank).query(
             "SELECT step, kind, iterations, wall_time FROM steps ORDER BY step")
-        return pd.DataFrame(rows, columns=["step", "kind", "iterations", "wall_time"])
+        return checks.table(pd.DataFrame(rows, columns=["step", "kind", "iterations",
+                                                        "wall_time"]), "steps",
+                            self._r(rank).path, ints=["step"], texts_=["kind"],
+                            numbers_=["wall_time"],
+                            counts={"iterations": checks.limits.MAX_ITERATIONS})
 
     def tensors(self, rank: int = 0) -> pd.DataFrame:
         """Named tensors: name, role, node, role_in_node, shape (first seen), dtype, batch_dim."""
@@ -91,7 +97,12 @@ class Run:
                        "FROM tensors ORDER BY id")
         df = pd.DataFrame(rows, columns=["name", "role", "node", "role_in_node", "shape",
                                          "dtype", "batch_dim"])
-        df["shape"] = [r.decode_json(s, "tensor shape") for s in df["shape"]]
+        for column in ("name", "role", "node", "role_in_node", "dtype"):
+            checks.texts(df[column], "tensors", column, r.path)
+        df["shape"] = [checks.shape(r.decode_json(s, "tensor shape"), r.path)
+                       for s in df["shape"]]
+        checks.integers((row[6] for row in rows if row[6] is not None), "tensors",
+                        "batch_dim", r.path)
         return df
 
     # --- tensor records -------------------------------------------------------------------
@@ -115,7 +126,8 @@ class Run:
                                    args)
         df = pd.DataFrame(rows, columns=["step", "iteration", "tensor", "direction",
                                          *STAT_COLUMNS])
-        return df.astype({c: float for c in STAT_COLUMNS})
+        return checks.table(df, "records", self._r(rank).path, ints=["step", "iteration"],
+                            numbers_=STAT_COLUMNS)
 
     def stats(self, tensor: str | None = None, *, direction: str | None = None,
               statistic: str | None = None, step: int | None = None,
@@ -204,11 +216,13 @@ class Run:
             sql, args = sql + " WHERE name = ?", (name,)
         rows = self._r(rank).query(sql + " ORDER BY name, step", args)
         df = pd.DataFrame(rows, columns=["step", "kind", "name", "value"])
-        return df.astype({"value": float})
+        return checks.table(df, "kpis", self._r(rank).path, ints=["step"], texts_=["name"],
+                            numbers_=["value"])
 
     def notes(self, rank: int = 0) -> pd.DataFrame:
         rows = self._r(rank).query("SELECT wall_time, step, text FROM notes ORDER BY id")
-        return pd.DataFrame(rows, columns=["wall_time", "step", "text"])
+        return checks.table(pd.DataFrame(rows, columns=["wall_time", "step", "text"]), "notes",
+                            self._r(rank).path, texts_=["text"], numbers_=["wall_time"])
 
     def quantities(self, name: str | None = None, layer: str | None = None,
                    rank: int = 0) -> pd.DataFrame:
@@ -233,6 +247,8 @@ class Run:
         base = ["step", "name", "layer", "value"]
         metas = []
         records = []
+        checks.integers((row[0] for row in rows), "quantities", "step", r.path)
+        checks.numeric((row[3] for row in rows), "quantities", "value", r.path)
         for step, qname, qlayer, value, meta in rows:
             m = r.decode_json(meta, "quantity metadata")
             metas.append(m if isinstance(m, dict) else {})
@@ -254,13 +270,19 @@ class Run:
         if not rows:
             raise KeyError(f"no {name} histogram at step {step} for layer {layer!r}")
         dtype, shape, data, meta = rows[0]
-        return r.decode_array(dtype, shape, data), r.decode_json(meta, "histogram metadata")
+        counts = r.decode_array(dtype, shape, data)
+        meta = r.decode_json(meta, "histogram metadata")
+        checks.histogram(counts, meta, r.path, f"{name} histogram metadata at step {step}")
+        return counts, meta
 
     def anomalies(self, rank: int = 0) -> pd.DataFrame:
         rows = self._r(rank).query("SELECT step, tensor, detector, value, threshold, message "
                                    "FROM anomalies ORDER BY step, id")
-        return pd.DataFrame(rows, columns=["step", "tensor", "detector", "value", "threshold",
-                                           "message"])
+        return checks.table(pd.DataFrame(rows, columns=["step", "tensor", "detector", "value",
+                                                        "threshold", "message"]), "anomalies",
+                            self._r(rank).path, ints=["step"],
+                            texts_=["tensor", "detector", "message"],
+                            numbers_=["value", "threshold"])
 
     def diagnoses(self, rank: int = 0, threshold: float | None = None) -> pd.DataFrame:
         """Likely bugs named from the recorded evidence, most likely first: code, confidence

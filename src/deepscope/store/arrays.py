@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptRunError
+from .limits import MAX_DIM
 
 # Only plain numeric dtypes can be stored or read back; anything else in a file is corrupt.
 DTYPES: dict[str, np.dtype] = {
@@ -18,9 +19,10 @@ DTYPES: dict[str, np.dtype] = {
 }
 # bfloat16 (numpy has no such dtype) is stored as its raw 16 bits and widened to float32 on read.
 BFLOAT16 = "bfloat16"
-MAX_NDIM = 8
+# numpy 1 reshapes to at most 32 dims; torch records more only in contrived cases.
+MAX_NDIM = 32
 # A shape of MAX_NDIM 20-digit dims fits; longer text is crafted, and is refused unparsed.
-MAX_SHAPE_CHARS = 256
+MAX_SHAPE_CHARS = 24 * MAX_NDIM
 
 
 def itemsize(dtype: str) -> int:
@@ -44,11 +46,22 @@ def encode(array: np.ndarray | torch.Tensor) -> tuple[str, str, bytes]:
     return name, json.dumps(list(arr.shape)), data
 
 
-def decode(dtype: str, shape: str, data: bytes) -> np.ndarray:
-    """Inverse of `encode`; validates everything, so a crafted file cannot make us allocate."""
+def decode(dtype: str, shape: str, data: bytes | memoryview) -> np.ndarray:
+    """Inverse of `encode`; validates everything, so a crafted file cannot make us allocate.
+
+    The result is the only allocation: `data` (bytes, or a view into a step's part) is read in
+    place, and bfloat16 bits are written straight into the high halves of float32 words.
+    """
     if dtype == BFLOAT16:
-        bits = decode("int16", shape, data).astype(np.int32) & 0xFFFF
-        return (bits << 16).astype(np.uint32).view(np.float32)
+        bits = _checked("int16", shape, data)
+        out = np.zeros(bits.size, np.dtype("<u4"))
+        out.view("<u2")[1::2] = bits.reshape(-1).view("<u2")  # little-endian: high half 2nd
+        return out.view("<f4").reshape(bits.shape).astype(np.float32, copy=False)
+    return _checked(dtype, shape, data).astype(DTYPES[dtype].newbyteorder("="))
+
+
+def _checked(dtype: str, shape: str, data: bytes | memoryview) -> np.ndarray:
+    """A read-only little-endian view of `data` with the declared shape, all checked."""
     if dtype not in DTYPES:
         raise CorruptRunError(f"stored array has unknown dtype {str(dtype)[:32]!r}; the file is "
                               "corrupt")
@@ -61,14 +74,14 @@ def decode(dtype: str, shape: str, data: bytes) -> np.ndarray:
         raise CorruptRunError(
             f"stored array has unreadable shape {shape!r}; the file is corrupt") from None
     if (not isinstance(dims, list) or len(dims) > MAX_NDIM
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims)):
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM
+                       for d in dims)):
         raise CorruptRunError(f"stored array has invalid shape {shape!r}; the file is corrupt")
-    if not isinstance(data, bytes):
+    if not isinstance(data, (bytes, memoryview)):
         raise CorruptRunError("stored array data is not a blob; the file is corrupt")
     expected = math.prod(dims) * DTYPES[dtype].itemsize
     if expected != len(data):
         raise CorruptRunError(
             f"stored array declares shape {dims} ({expected} bytes) but holds {len(data)} bytes;"
             " the file is corrupt")
-    native = DTYPES[dtype].newbyteorder("=")
-    return np.frombuffer(data, dtype=DTYPES[dtype]).reshape(dims).astype(native)
+    return np.frombuffer(data, dtype=DTYPES[dtype]).reshape(dims)

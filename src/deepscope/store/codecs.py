@@ -52,8 +52,12 @@ def encode(data: bytes, itemsize: int) -> tuple[str, bytes]:
     return (codec, packed) if len(packed) < len(data) else (RAW, data)
 
 
-def decode(codec: object, raw_bytes: object, data: object) -> bytes:
-    """The raw bytes of a stored part; CorruptRunError (one line) if anything is off."""
+def decode(codec: object, raw_bytes: object, data: object, cap: int | None = None) -> bytes:
+    """The raw bytes of a stored part; CorruptRunError (one line) if anything is off.
+
+    cap: the most bytes the part may declare (the reader's `part_cap`); checked before
+    anything is inflated.
+    """
     if codec not in CODECS:
         raise CorruptRunError(f"stored step data has unknown codec {str(codec)[:32]!r}; the "
                               "file is corrupt or from a newer deepscope")
@@ -62,6 +66,10 @@ def decode(codec: object, raw_bytes: object, data: object) -> bytes:
     if not isinstance(raw_bytes, int) or raw_bytes < 0:
         raise CorruptRunError(f"stored step data declares an invalid size "
                               f"{str(raw_bytes)[:24]!r}; the file is corrupt")
+    if cap is not None and raw_bytes > cap:
+        raise CorruptRunError(f"stored step data declares {raw_bytes} bytes, more than the cap "
+                              f"of {cap} for this file (see docs/LIMITATIONS.md); the file is "
+                              "corrupt or crafted")
     if codec == RAW:
         out = data
     else:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CorruptRunError
-from . import arrays, codecs
+from . import arrays, codecs, limits
 from .layout import check_run_id
 from .schema import DDL, SCHEMA_VERSION
 
@@ -27,8 +27,6 @@ _SQLITE_MAGIC = b"SQLite format 3\x00"
 # Python's sqlite3 raises UnicodeDecodeError instead of DatabaseError when SQLite's message
 # quotes damaged bytes (e.g. "malformed database schema (...)") that are not UTF-8.
 _STORAGE_ERRORS = (sqlite3.DatabaseError, UnicodeDecodeError)
-# Decoded step parts kept per reader: the parts of the last few steps read.
-_CACHED_PARTS = 8
 
 
 def _corrupt(message: str) -> CorruptRunError:
@@ -166,6 +164,9 @@ class StoreReader:
             if key == "schema_version":
                 out[key] = value
                 continue
+            if isinstance(value, str) and len(value) > limits.MAX_JSON_CHARS:
+                out[key] = value  # over the cap: kept as stored, not parsed
+                continue
             try:
                 out[key] = json.loads(value)
             except (TypeError, ValueError, RecursionError):
@@ -181,8 +182,8 @@ class StoreReader:
     def step_part(self, step: int, part: int) -> bytes:
         """The uncompressed bytes of one part of a step's arrays, validated (see `codecs`).
 
-        The last few parts are kept: views of one step are read in a row (the GUI shows
-        several), and a committed step never changes.
+        The last few parts are kept (at most `limits.PART_CACHE_BYTES`): views of one step
+        are read in a row (the GUI shows several), and a committed step never changes.
         """
         key = (step, part)
         with self._parts_lock:
@@ -196,14 +197,24 @@ class StoreReader:
             raise _corrupt(f"{self.path}: step {step} has arrays but no data for part {part}; "
                            "the file is damaged")
         try:
-            data = codecs.decode(*rows[0])
+            data = codecs.decode(*rows[0], cap=self.part_cap())
         except CorruptRunError as exc:
             raise _corrupt(f"{self.path}: step {step}, part {part}: {exc}") from None
         with self._parts_lock:
             self._parts[key] = data
-            while len(self._parts) > _CACHED_PARTS:
+            while sum(map(len, self._parts.values())) > limits.PART_CACHE_BYTES:
                 self._parts.popitem(last=False)
         return data
+
+    def part_cap(self) -> int:
+        """Bytes one decoded step part may have now (see `limits.part_cap`)."""
+        size = 0
+        for p in (self.path, self.path.with_name(self.path.name + "-wal")):
+            try:
+                size += p.stat().st_size
+            except OSError:
+                pass
+        return limits.part_cap(size)
 
     def decode_slice(self, dtype: Any, shape: Any, offset: Any, nbytes: Any,
                      part: bytes) -> np.ndarray:
@@ -217,13 +228,16 @@ class StoreReader:
             raise _corrupt(f"{self.path}: an array points outside its step's data "
                            f"(offset {offset!r}, {nbytes!r} bytes of {len(part)}); the file "
                            "is damaged")
-        return self.decode_array(dtype, shape, part[offset:offset + nbytes])
+        return self.decode_array(dtype, shape, memoryview(part)[offset:offset + nbytes])
 
     @staticmethod
     def decode_json(text: Any, what: str) -> Any:
         """Parse stored JSON text; anything else is a one-line CorruptRunError."""
         if not isinstance(text, str):
             raise _corrupt(f"stored {what} is not text; the file is damaged")
+        if len(text) > limits.MAX_JSON_CHARS:
+            raise _corrupt(f"stored {what} is {len(text)} characters of JSON, more than the "
+                           f"cap {limits.MAX_JSON_CHARS}; the file is damaged or crafted")
         try:
             return json.loads(text)
         except (ValueError, RecursionError):  # RecursionError: crafted, deeply nested JSON
@@ -243,4 +257,6 @@ class StoreReader:
                 and all(isinstance(e, dict) and isinstance(e.get("source"), str)
                         and isinstance(e.get("target"), str) for e in edges)):
             raise _corrupt("stored graph has the wrong structure; the file is damaged")
+        limits.capped_int(len(tensors), limits.MAX_GRAPH_TENSORS, "graph tensor count")
+        limits.capped_int(len(edges), limits.MAX_GRAPH_EDGES, "graph edge count")
         return body
