@@ -351,11 +351,26 @@ def test_a_wal_file_of_another_run_is_refused(tmp_path):
     ({"queue_size": 0}, "queue_size must be an integer >= 1"),
     ({"queue_size": -5}, "queue_size must be an integer >= 1"),
     ({"max_neurons": -3}, "max_neurons must be an integer >= 0"),
+    ({"max_samples": 4097}, "max_samples must be at most 4096"),
 ])
 def test_scope_arguments_are_checked(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         deepscope.Scope(tmp_path, "r", **kwargs)
     assert not (tmp_path / "r").exists()
+
+
+def test_iterations_past_the_readers_cap_are_refused_at_the_call(tmp_path):
+    # A reader refuses a step of more than 10,000 iterations (a crafted file's guard), so the
+    # recorder must never write one: the iteration over the cap is refused, the step is kept.
+    from deepscope.store.limits import MAX_ITERATIONS
+    with deepscope.Scope(tmp_path, "r", schedule=1) as scope, scope.step(0) as rec:
+        for _ in range(MAX_ITERATIONS):
+            with rec.iteration():
+                pass
+        with pytest.raises(ValueError, match="at most 10000 iterations"), rec.iteration():
+            pass
+        rec.tensor("x", torch.ones(2, 3), role="input")
+    assert deepscope.open_run(tmp_path / "r").steps() == [0]
 
 
 def test_tensor_arguments_are_checked_and_the_step_goes_on(tmp_path, caplog):

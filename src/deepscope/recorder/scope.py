@@ -19,6 +19,7 @@ from torch import nn
 from ..anomalies.monitor import HealthMonitor
 from ..hookstate import hooks_paused
 from ..naming import named_leaves
+from ..store import limits
 from ..store.layout import check_run_name, rank_file, rank_files
 from ..store.writer import RunLock, StoreWriter
 from .buffers import BufferPool
@@ -84,6 +85,10 @@ class Scope:
                                 ("queue_size", queue_size, 1), ("record_next", record_next, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{arg} must be an integer >= {low}, got {value!r}")
+        if max_samples > limits.MAX_SAMPLES:
+            # Readers refuse more (a crafted file's guard): never write a run nobody can read.
+            raise ValueError(f"max_samples must be at most {limits.MAX_SAMPLES}, got "
+                             f"{max_samples}; store fewer batch items")
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
                                  or rank < 0):
             raise ValueError(f"rank must be an integer >= 0 (or None: the torch.distributed "

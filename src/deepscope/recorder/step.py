@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..hookstate import hooks_paused
+from ..store import limits
 from ..store.writer import StepPayload, TensorInfo
 from .graph import ModuleCall, Named, build_graphs, graph_hash, saved_attachments
 from .summary import Capture, summarise_captures
@@ -223,6 +224,10 @@ class StepRecorder:
         """Context for one forward pass of an unrolled (recurrent) step; yields its index."""
         self._check_open("iteration")
         if self._iterations_used:
+            if self._iteration + 1 >= limits.MAX_ITERATIONS:
+                # Readers refuse more (a crafted file's guard): never write an unreadable step.
+                raise ValueError(f"a step holds at most {limits.MAX_ITERATIONS} iterations; "
+                                 "record every n-th iteration, or split the sequence into steps")
             self._iteration += 1
         self._iterations_used = True
         yield self._iteration
