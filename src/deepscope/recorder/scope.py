@@ -282,6 +282,8 @@ class Scope:
 
     def _record_output(self, rec: StepRecorder, path: str, is_root: bool, output: Any) -> None:
         role = "output" if is_root else "activation"
+        if rec._after_loss:  # the next micro-batch's forward (gradient accumulation)
+            rec._next_micro_batch()
         for suffix, t in named_leaves(output):
             base = path + suffix
             count = rec._activation_counts.get((base, rec._iteration), 0)
