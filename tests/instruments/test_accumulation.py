@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from deepscope.instruments import Instruments, QuantityValue
 
 from . import reference as R
-from .test_suite import FIRST_ORDER, LR, assert_close, check_layers
+from .test_suite import FIRST_ORDER, LR, assert_close
 
 F64 = torch.float64
 EXACT = ["HessTrace", "TICDiag", "TICTrace"]

@@ -64,6 +64,32 @@ def per_sample_mean(model: nn.Module, step: int = 0) -> Tensor:
     return losses.mean(1) if losses.dim() == 2 else losses
 
 
+class Values:
+    def __init__(self) -> None:
+        self.values: dict = {}
+
+    def value(self, name: str, step: int, layer: str = ""):
+        return self.values[(name, step, layer)]
+
+
+def train(model: nn.Module, losses_of, reference_losses, quantities: list[str],
+          steps: int = 2) -> tuple[Values, list[R.BatchRef]]:
+    """SGD steps with the instruments; the per-sample reference of each step's batch."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    inst = Instruments(model, quantities, optimizer=opt)
+    run, refs = Values(), []
+    for step in range(steps):
+        refs.append(R.batch_reference(model, lambda m, s=step: reference_losses(m, s)))
+        inst.start(step, "train")
+        losses = losses_of(model, step)
+        inst.loss(losses.mean(), per_sample=losses)
+        opt.zero_grad()
+        losses.mean().backward()
+        opt.step()
+        run.values.update({(v.name, v.step, v.layer): v for v in inst.finish()})
+    return run, refs
+
+
 POSITION = {"gpt2": "transformer.wpe.weight", "bert": "bert.embeddings.position_embeddings.weight"}
 MODELS = {"gpt2": gpt2, "bert": bert}
 
@@ -94,21 +120,10 @@ def test_broadcast_position_embedding_gets_exact_per_sample_gradients(name: str)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_hf_quantities_are_exact_and_finite(name: str) -> None:
     model = MODELS[name]()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
     quantities = ["Loss", "GradNorm", "Distance", "UpdateSize", "NormTest", "InnerTest",
                   "Alpha", "GradHist1d"]
-    inst = Instruments(model, quantities, optimizer=opt)
-    refs, values = [], {}
-    for step in range(2):
-        refs.append(R.batch_reference(model, lambda m, s=step: per_sample_mean(m, s)))
-        inst.start(step, "train")
-        losses = per_sample_losses(model, step)
-        inst.loss(losses.mean(), per_sample=losses)
-        opt.zero_grad()
-        losses.mean().backward()
-        opt.step()
-        values.update({(v.name, v.step, v.layer): v for v in inst.finish()})
-    run = type("Run", (), {"value": lambda self, n, s, layer="": values[(n, s, layer)]})()
+    run, refs = train(model, per_sample_losses, per_sample_mean, quantities)
+    values = run.values
     for t, ref in enumerate(refs):
         assert_close(run.value("Loss", t), float(ref.losses.mean()), rtol=1e-12)
         check_layers(run, "GradNorm", t, R.per_layer(R.grad_norm, ref), rtol=1e-7)
@@ -145,20 +160,8 @@ def test_unavailable_layers_leave_totals_honest() -> None:
     def losses_of(m: nn.Module) -> Tensor:
         return F.cross_entropy(m(ids), labels, reduction="none")
 
-    ref = R.batch_reference(model, losses_of)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    inst = Instruments(model, ["Loss", "GradNorm", "NormTest", "Alpha", "UpdateSize"],
-                       optimizer=opt)
-    values = {}
-    for step in range(2):
-        inst.start(step, "train")
-        losses = losses_of(model)
-        inst.loss(losses.mean(), per_sample=losses)
-        opt.zero_grad()
-        losses.mean().backward()
-        opt.step()
-        values.update({(v.name, v.step, v.layer): v for v in inst.finish()})
-    run = type("Run", (), {"value": lambda self, n, s, layer="": values[(n, s, layer)]})()
+    run, (ref, _) = train(model, lambda m, step: losses_of(m), lambda m, step: losses_of(m),
+                          ["Loss", "GradNorm", "NormTest", "Alpha", "UpdateSize"])
     # ḡ needs no per-sample gradients: exact in every layer and in total
     check_layers(run, "GradNorm", 0, R.per_layer(R.grad_norm, ref), rtol=1e-9)
     layer = run.value("NormTest", 0, "pos.weight")
