@@ -297,3 +297,30 @@ def test_scope_records_micro_batches_as_iterations(tmp_path) -> None:
                                    xm.float().numpy(), rtol=1e-6)
         assert {t["name"] for t in run.graph(0, iteration=it)["tensors"]} >= {
             "input", "0", "2", "loss", "loss_per_sample"}
+
+
+def test_cockpit_compat_accepts_n_by_1_individual_losses(tmp_path, monkeypatch) -> None:
+    """Cockpit's usual MSE regression: individual losses of shape (N, 1)."""
+    import tempfile
+
+    from deepscope.compat.backpack import extend
+    from deepscope.compat.cockpit import Cockpit, quantities
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    model = extend(mlp())
+    x, _ = data(model, 6, 0)
+    target = torch.randn(6, 1, dtype=F64, generator=torch.Generator().manual_seed(5))
+    ref = R.batch_reference(model, lambda m: F.mse_loss(m(x)[:, :1], target,
+                                                        reduction="none")[:, 0])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    cockpit = Cockpit(model.parameters(), quantities=[quantities.NormTest, quantities.Loss])
+    out = model(x)[:, :1]
+    loss = F.mse_loss(out, target)
+    losses = F.mse_loss(out, target, reduction="none")
+    assert losses.shape == (6, 1)
+    with cockpit(0, info={"loss": loss, "individual_losses": losses, "optimizer": opt}):
+        loss.backward(create_graph=cockpit.create_graph(0))
+    opt.step()
+    output = cockpit.get_output()[0]
+    assert output["Loss"] == pytest.approx(float(ref.losses.mean()), rel=1e-12)
+    assert output["NormTest"] == pytest.approx(R.norm_test(ref.layers()[""]), rel=1e-9)
