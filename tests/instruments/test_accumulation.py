@@ -324,3 +324,35 @@ def test_cockpit_compat_accepts_n_by_1_individual_losses(tmp_path, monkeypatch) 
     output = cockpit.get_output()[0]
     assert output["Loss"] == pytest.approx(float(ref.losses.mean()), rel=1e-12)
     assert output["NormTest"] == pytest.approx(R.norm_test(ref.layers()[""]), rel=1e-9)
+
+
+def one_step(backward: Callable[[Tensor], None], quantities: list[str]) -> Values:
+    """One step of the MLP: rec.loss gets the mean, `backward(losses)` runs the backward."""
+    model = mlp()
+    inst = Instruments(model, quantities)
+    x, y = data(model, 6, 0)
+    inst.start(0, "train")
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    inst.loss(losses.mean(), per_sample=losses)
+    backward(losses)
+    values: Values = {}
+    collect(values, inst.finish())
+    return values
+
+
+def test_factors_after_rec_loss_are_read_from_the_backward_pass() -> None:
+    """A GradScaler-like factor on the loss, or a new mean of per_sample: same values."""
+    names = ["GradNorm", "NormTest", "MeanGSNR"]
+    plain = one_step(lambda losses: losses.mean().backward(), names)
+    for backward in (lambda losses: (losses.mean() * 1024.0).backward(),
+                     lambda losses: (losses.sum() / 3).backward()):
+        got = one_step(backward, names)
+        for key, want in plain.items():
+            assert_same(got[key], want, rtol=1e-12)
+
+
+def test_unequal_weights_after_rec_loss_are_refused_with_reason() -> None:
+    weights = torch.tensor([1.0, 2, 1, 1, 1, 1], dtype=F64)
+    got = one_step(lambda losses: (losses * weights).sum().backward(), ["NormTest", "GradNorm"])
+    assert got[("NormTest", 0, "")].value is None
+    assert "unequally" in got[("NormTest", 0, "")].meta["reason"]

@@ -174,3 +174,50 @@ def test_unavailable_layers_leave_totals_honest() -> None:
     assert alpha.value is None and "pos.weight" in alpha.meta["reason"]
     assert "non-finite" not in alpha.meta["reason"]
     assert run.value("UpdateSize", 0).value > 0 and run.value("Loss", 0).value > 0
+
+
+class Wave(nn.Module):
+    """A custom module (the generic rule) with a parameter of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.freq = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.sin(x * self.freq)
+
+
+class Broadcasts(nn.Module):
+    """Batch-size-1 outputs of an Embedding, a Linear and a generic module, added to and
+    subtracted (with alpha) from the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, 4), nn.Embedding(T, 4)
+        self.ctx, self.wave, self.head = nn.Linear(3, 4), Wave(), nn.Linear(4, 3)
+        self.register_buffer("c", torch.randn(1, 1, 3))
+        self.register_buffer("grid", torch.randn(1, T, 4))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.pos(torch.arange(T)[None]) + self.tok(ids)
+        h = torch.sub(h, self.ctx(self.c), alpha=2.0)
+        h = self.wave(self.grid) - torch.tanh(h)
+        return self.head(h.mean(1))
+
+
+def test_batch_size_one_outputs_added_or_subtracted_are_split_per_sample() -> None:
+    torch.manual_seed(0)
+    model = Broadcasts().to(F64)
+    ids, _, labels = batch(0)
+    ref = R.batch_reference(model, lambda m: F.cross_entropy(m(ids), labels, reduction="none"))
+    engine = PerSampleEngine(model)
+    engine.start()
+    losses = F.cross_entropy(model(ids), labels, reduction="none")
+    engine.add_loss(losses.sum(), 1.0, losses, 1.0)
+    losses.sum().backward()
+    engine.stop()
+    grads = dict(engine.per_sample_grads())
+    assert engine.unavailable == {} and engine.warnings == []
+    for pname, want in ref.grads.items():
+        np.testing.assert_allclose(grads[pname].reshape(B, -1).detach().numpy(), want,
+                                   rtol=1e-7, atol=1e-12, err_msg=pname)

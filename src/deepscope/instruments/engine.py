@@ -73,12 +73,18 @@ def _detach(x: Tensor) -> Tensor:
 def _expanded(call: Call) -> Call:
     """A broadcast call as the batched call it stands for: inputs of batch size 1 expanded
     to the batch (views), the broadcast result's gradient as its output gradient."""
-    g = call.broadcast
-    if g is None or call.error is not None:
+    g, total = call.broadcast, call.grads[0]
+    if g is None or call.error is not None or total is None:
         return call
-    if call.grads[0] is None or not torch.allclose(
-            g.sum(0, keepdim=True), call.grads[0], rtol=1e-4,
-            atol=1e-6 * float(call.grads[0].abs().max())):
+    if g.dim() != total.dim():  # aligned from the right: its dim 0 is not the batch's
+        return replace(call, error=(
+            f"its batch-size-1 output {tuple(total.shape)} is broadcast against "
+            f"{tuple(g.shape)}, so its dim 0 is not the batch"))
+    # the per-sample gradient: the broadcast result's, summed over the other broadcast dims
+    dims = [d for d in range(1, g.dim()) if total.shape[d] == 1 and g.shape[d] != 1]
+    g = g.sum(dims, keepdim=True) if dims else g
+    if not torch.allclose(g.sum(0, keepdim=True), total, rtol=1e-4,
+                          atol=1e-6 * float(total.abs().max())):
         return replace(call, error=(
             "its batch-size-1 output is broadcast over the batch, but the gradients of the "
             "broadcast results do not add up to its gradient (it also reaches the loss "
@@ -108,6 +114,7 @@ class _Micro:
     """One registered loss (a micro-batch) and the backward pass that belongs to it."""
 
     scale: float  # Σᵢ ℓᵢ / loss: B for a mean, 1 for a sum, k·B for mean / k
+    size: int | None = None  # B, from per_sample when given
     task: int | None = None  # graph task of its backward
     provisional: bool = False  # that task was a create_graph=True pass (a later plain one wins)
     unit: float = 1.0  # ∂loss/∂(an element of per_sample)
@@ -325,7 +332,8 @@ class PerSampleEngine:
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise TypeError("add_loss needs the scalar loss tensor that will be backpropagated")
         index = len(self._micros)
-        self._micros.append(_Micro(scale, unit=1.0 / scale if unit is None else unit))
+        size = per_sample.shape[0] if isinstance(per_sample, Tensor) and per_sample.dim() else None
+        self._micros.append(_Micro(scale, size, unit=1.0 / scale if unit is None else unit))
         self._built = None
         self._batch = None
         nodes = [(t.grad_fn, t is not loss) for t in (loss, per_sample)
@@ -359,16 +367,18 @@ class PerSampleEngine:
         (a position embedding of (1, T) positions): their output gradient is the per-sample
         gradient the broadcast output lacks. One walk of the loss's graph, only when such a
         call exists."""
-        pending = [(i, c) for i, c in self._order if c.micro is None and c.error is None]
-        sizes: Counter[int] = Counter()
-        for i, call in pending:
+        sizes: Counter[int] = Counter({self._micros[index].size: 1 << 30}) \
+            if self._micros[index].size else Counter()
+        single: dict[Any, Call] = {}  # output node -> call on inputs of batch size 1
+        for i, call in self._order:
+            if call.micro is not None or call.error is not None:
+                continue
             with contextlib.suppress(Unsupported):
-                sizes[self._hooked[i].rule.batch_size(call)] += 1
-        if not sizes or sizes.most_common(1)[0][0] <= 1:
-            return
-        wanted = {call.node: call for i, call in pending
-                  if call.node is not None and self._hooked[i].rule.batch_dim0}
-        if not wanted:
+                size = self._hooked[i].rule.batch_size(call)
+                sizes[size] += 1
+                if size == 1 and call.node is not None and self._hooked[i].rule.batch_dim0:
+                    single[call.node] = call
+        if not single or sizes.most_common(1)[0][0] <= 1:
             return
         consumers: dict[Any, list[tuple[Any, int]]] = {}
         seen, queue = {root}, deque([root])
@@ -377,13 +387,13 @@ class PerSampleEngine:
             for position, (child, _) in enumerate(node.next_functions):
                 if child is None:
                     continue
-                if child in wanted:
+                if child in single:
                     consumers.setdefault(child, []).append((node, position))
                 if child not in seen:
                     seen.add(child)
                     queue.append(child)
         for child, uses in consumers.items():
-            call = wanted[child]
+            call = single[child]
             others = sorted({type(node).__name__ for node, _ in uses} - set(_BROADCAST_SIGNS))
             if others:
                 call.error = (
@@ -435,7 +445,8 @@ class PerSampleEngine:
         return self._effective
 
     def _micro_sizes(self) -> list[tuple[int, int]]:
-        """(micro-batch, samples) in registration order."""
+        """(micro-batch, samples) in registration order: per_sample's batch when add_loss got
+        it, else the batch size most calls agree on."""
         if self._sizes is not None:
             return self._sizes
         if not self._order:
@@ -449,14 +460,19 @@ class PerSampleEngine:
             for index, call in effective.get(micro, []):
                 with contextlib.suppress(Unsupported):
                     counts[self._hooked[index].rule.batch_size(call)] += 1
+            which = f" of loss {micro + 1} (micro-batch {micro + 1})" if self._micros else ""
             if not counts:
-                which = f" of loss {micro + 1} (micro-batch {micro + 1})" if self._micros else ""
                 raise ValueError(
                     f"no gradients were captured{which}: no backward pass ran through the loss "
                     "or per_sample given to rec.loss; call rec.loss after the forward and "
                     "before backward() on that loss"
                 )
-            sizes.append((micro, counts.most_common(1)[0][0]))
+            given = self._micros[micro].size if self._micros else None
+            if given is not None and given not in counts:
+                raise ValueError(
+                    f"the model saw a batch{which} of {counts.most_common(1)[0][0]} samples but "
+                    f"per_sample has {given}; pass the per-sample losses of this batch")
+            sizes.append((micro, given or counts.most_common(1)[0][0]))
         self._sizes = sizes
         return sizes
 

@@ -105,21 +105,9 @@ class _Batch:
     all before the first `dots`.
     """
 
-    def __init__(self, engine: PerSampleEngine, counts: list[int]) -> None:
+    def __init__(self, engine: PerSampleEngine) -> None:
         self.engine = engine
-        self.size = engine.batch_size
-        seen = engine.micro_batch_sizes
-        if len(counts) == 1 and seen != counts:
-            raise ValueError(
-                f"the model saw a batch of {self.size} samples but per_sample has "
-                f"{counts[0]}; pass the per-sample losses of this batch"
-            )
-        for m, (model, given) in enumerate(zip(seen, counts)):
-            if model != given:
-                raise ValueError(
-                    f"micro-batch {m + 1}: the model saw {model} samples but its per_sample "
-                    f"has {given}; pass each micro-batch's per-sample losses to its rec.loss"
-                )
+        self.size = engine.batch_size  # raises when the losses and the model disagree
         self._wanted: dict[str, dict[str, Tensor]] = {}
         self._dots: dict[str, Tensor] = {}
         self._sgd: dict[str, bool] = {}  # is_sgd_step, by key
@@ -602,7 +590,7 @@ class Instruments:
         batch_error = NO_LOSS
         if self._engine_on and self._losses is not None:
             try:
-                batch = _Batch(self._engine, self._counts)
+                batch = _Batch(self._engine)
             except Exception as error:
                 batch_error = _describe(error)
         if update is not None:
