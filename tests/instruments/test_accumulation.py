@@ -356,3 +356,28 @@ def test_unequal_weights_after_rec_loss_are_refused_with_reason() -> None:
     got = one_step(lambda losses: (losses * weights).sum().backward(), ["NormTest", "GradNorm"])
     assert got[("NormTest", 0, "")].value is None
     assert "unequally" in got[("NormTest", 0, "")].meta["reason"]
+
+
+def test_wrong_order_and_shared_forward_say_what_happened() -> None:
+    model = mlp()
+    x, y = data(model, 6, 0)
+    inst = Instruments(model, ["NormTest", "Loss"])
+    inst.start(0, "train")
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    losses.mean().backward()
+    inst.loss(losses.mean(), per_sample=losses)  # too late: its backward already ran
+    values: Values = {}
+    collect(values, inst.finish())
+    assert values[("Loss", 0, "")].value is not None
+    assert "before backward()" in values[("NormTest", 0, "")].meta["reason"]
+    # two registered losses on one forward: not two micro-batches
+    inst.start(1, "train")
+    out = model(x)
+    first = F.cross_entropy(out, y, reduction="none")
+    inst.loss(first.mean(), per_sample=first)
+    first.mean().backward(retain_graph=True)
+    second = out.square().sum(1)
+    inst.loss(second.mean(), per_sample=second)
+    second.mean().backward()
+    collect(values, inst.finish())
+    assert "two registered losses on one forward" in values[("NormTest", 1, "")].meta["reason"]

@@ -215,6 +215,7 @@ class PerSampleEngine:
         self._batch: int | None = None
         self._sizes: list[tuple[int, int]] | None = None  # (micro, samples) in sample order
         self._effective: dict[int, list[tuple[int, Call]]] | None = None
+        self._shared_forward: set[int] = set()  # losses whose backward met another's calls
         self._cache: dict[str, dict[str, Tensor]] = {}
         self._shared: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
 
@@ -293,6 +294,7 @@ class PerSampleEngine:
                     "its output reached two registered losses (rec.loss); a micro-batch's "
                     "forward must feed only its own loss"
                 )
+                self._shared_forward.add(micro)
                 return
             call.micro = micro
         # several backward passes through one output add up, like .grad does
@@ -367,8 +369,7 @@ class PerSampleEngine:
         (a position embedding of (1, T) positions): their output gradient is the per-sample
         gradient the broadcast output lacks. One walk of the loss's graph, only when such a
         call exists."""
-        sizes: Counter[int] = Counter({self._micros[index].size: 1 << 30}) \
-            if self._micros[index].size else Counter()
+        sizes: Counter[int] = Counter()
         single: dict[Any, Call] = {}  # output node -> call on inputs of batch size 1
         for i, call in self._order:
             if call.micro is not None or call.error is not None:
@@ -378,7 +379,8 @@ class PerSampleEngine:
                 sizes[size] += 1
                 if size == 1 and call.node is not None and self._hooked[i].rule.batch_dim0:
                     single[call.node] = call
-        if not single or sizes.most_common(1)[0][0] <= 1:
+        batch = self._micros[index].size or (sizes.most_common(1)[0][0] if sizes else 1)
+        if not single or batch <= 1:
             return
         consumers: dict[Any, list[tuple[Any, int]]] = {}
         seen, queue = {root}, deque([root])
@@ -461,6 +463,16 @@ class PerSampleEngine:
                 with contextlib.suppress(Unsupported):
                     counts[self._hooked[index].rule.batch_size(call)] += 1
             which = f" of loss {micro + 1} (micro-batch {micro + 1})" if self._micros else ""
+            if not counts and not self._micros:
+                raise ValueError(
+                    "no gradients were captured: call backward() on the loss after the forward, "
+                    "and engine.stop() only after it"
+                )
+            if not counts and micro in self._shared_forward:
+                raise ValueError(
+                    f"loss {micro + 1} reached only module outputs of an earlier registered "
+                    "loss's forward (two registered losses on one forward are not two "
+                    "micro-batches): register their sum once, or run a forward per micro-batch")
             if not counts:
                 raise ValueError(
                     f"no gradients were captured{which}: no backward pass ran through the loss "
