@@ -76,7 +76,7 @@ def test_bad_arguments(tmp_path, scope):
         with pytest.raises(ValueError, match="single number"):
             rec.kpi("acc", torch.ones(3))
         with pytest.raises(TypeError, match="reduction='none'"):
-            rec.loss(torch.tensor(1.0), per_sample=torch.ones(2, 2))
+            rec.loss(torch.tensor(1.0), per_sample=torch.tensor(1.0))  # no batch dim
         with pytest.raises(ValueError, match="out of range"):
             rec.tensor("y", torch.ones(2), batch_dim=3)
 

@@ -4,12 +4,18 @@ Usage (one step):
 
     engine = PerSampleEngine(model)
     engine.start()                      # hooks on; old captures dropped
-    losses = loss_fn(model(x), y, reduction="none")
-    losses.mean().backward()
+    for x, y in micro_batches:          # one or more (gradient accumulation)
+        losses = loss_fn(model(x), y, reduction="none")
+        engine.add_loss(losses.mean(), len(x))   # before its backward; B: it is a mean
+        losses.mean().backward()
     engine.stop()                       # hooks off; captures kept
-    engine.set_scale(len(x))            # the loss was a mean: gᵢ = B · captured gradients
     opt.step()                          # allowed: nothing below reads current parameters
-    norms = engine.sq_norms()           # name -> (B,) ‖gᵢ‖²
+    norms = engine.sq_norms()           # name -> (k·B,) ‖gᵢ‖², micro-batches in order
+
+Only the backward pass through each loss given to `add_loss` is used: other backward or
+`torch.autograd.grad` passes in the step (a gradient penalty, a metric) change nothing.
+Without `add_loss` (the older protocol: `set_scale` after the backward) every backward pass
+through the captured calls counts, as one batch.
 
 Forward hooks keep each call's inputs, tensor hooks on the outputs keep ∂L/∂output;
 per-module rules (`deepscope.instruments.rules`) turn them into statistics by closed
@@ -19,10 +25,11 @@ Notation: B batch size, gᵢ = ∇θ ℓᵢ (not divided by B), k a parameter te
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -39,6 +46,7 @@ from .rules.base import (
     ModuleGrads,
     Part,
     Rule,
+    StackedGrads,
     Unsupported,
     map_tensors,
     tensor_leaves,
@@ -62,6 +70,62 @@ def _detach(x: Tensor) -> Tensor:
     return x.detach()  # same storage and version counter: no copy, in-place edits visible
 
 
+def _expanded(call: Call) -> Call:
+    """A broadcast call as the batched call it stands for: inputs of batch size 1 expanded
+    to the batch (views), the broadcast result's gradient as its output gradient."""
+    g, total = call.broadcast, call.grads[0]
+    if g is None or call.error is not None or total is None:
+        return call
+    if g.dim() != total.dim():  # aligned from the right: its dim 0 is not the batch's
+        return replace(call, error=(
+            f"its batch-size-1 output {tuple(total.shape)} is broadcast against "
+            f"{tuple(g.shape)}, so its dim 0 is not the batch"))
+    # the per-sample gradient: the broadcast result's, summed over the other broadcast dims
+    dims = [d for d in range(1, g.dim()) if total.shape[d] == 1 and g.shape[d] != 1]
+    g = g.sum(dims, keepdim=True) if dims else g
+    if not torch.allclose(g.sum(0, keepdim=True), total, rtol=1e-4,
+                          atol=1e-6 * float(total.abs().max())):
+        return replace(call, error=(
+            "its batch-size-1 output is broadcast over the batch, but the gradients of the "
+            "broadcast results do not add up to its gradient (it also reaches the loss "
+            "another way)"))
+    batch = g.shape[0]
+
+    def expand(x: Tensor) -> Tensor:
+        return x.expand(batch, *x.shape[1:]) if x.dim() > 0 and x.shape[0] == 1 else x
+
+    return replace(call, args=map_tensors(call.args, expand),
+                   kwargs=map_tensors(call.kwargs, expand), grads=[g],
+                   outputs=[expand(o) for o in call.outputs], broadcast=None)
+
+
+def _graph_task() -> int:
+    """Id of the autograd graph task (one backward / autograd.grad call) running now."""
+    return torch._C._current_graph_task_id()
+
+
+# consumers whose gradient w.r.t. a broadcast operand is ± alpha × their output gradient,
+# summed over the broadcast dims: the per-sample gradient is that output gradient
+_BROADCAST_SIGNS = {"AddBackward0": (1, 1), "SubBackward0": (1, -1)}
+
+
+@dataclass
+class _Micro:
+    """One registered loss (a micro-batch) and the backward pass that belongs to it."""
+
+    scale: float  # Σᵢ ℓᵢ / loss: B for a mean, 1 for a sum, k·B for mean / k
+    size: int | None = None  # B, from per_sample when given
+    task: int | None = None  # graph task of its backward
+    provisional: bool = False  # that task was a create_graph=True pass (a later plain one wins)
+    unit: float = 1.0  # ∂loss/∂(an element of per_sample)
+    # ∂(backpropagated root)/∂loss: 1, or e.g. a GradScaler factor; or, when the pass was
+    # claimed through per_sample, ∂root/∂per_sample (then root / unit is that factor)
+    root: Tensor | None = None
+    via_parts: bool = False
+    # ∂root/∂θ as autograd delivered it in that task, with its version counter then
+    observed: dict[str, tuple[Tensor, int]] = field(default_factory=dict)
+
+
 class PerSampleEngine:
     """Per-sample gradient statistics gᵢ⁽ᵏ⁾ = ∇θ⁽ᵏ⁾ ℓᵢ for every trainable parameter.
 
@@ -77,6 +141,9 @@ class PerSampleEngine:
     parameter's dtype and device. Parameters whose per-sample gradients cannot be
     obtained this step are NaN, listed in `unavailable` with the reason, and explained
     once in `warnings`.
+
+    Micro-batches: each `add_loss` registers the loss of one micro-batch; the gᵢ of all of
+    them form one batch, in registration order (k micro-batches of B: k·B samples).
     """
 
     def __init__(self, model: nn.Module, chunk_size: int = 32, *, cache_bytes: int = 2**28) -> None:
@@ -102,9 +169,12 @@ class PerSampleEngine:
                 self._owners[name].append((index, local))
         self._scale = 1.0
         self._handles: list[RemovableHandle] = []
-        # ∂L/∂θ as autograd delivered it to each parameter this step (summed over backward
-        # passes), with its version counter then: in-place edits later (clipping) disqualify it
+        # without add_loss: ∂L/∂θ as autograd delivered it to each parameter this step (summed
+        # over backward passes), with its version counter then: in-place edits later
+        # (clipping) disqualify it
         self._observed: dict[str, tuple[Tensor, int]] = {}
+        self._micros: list[_Micro] = []
+        self.unavailable_sum: dict[str, str] = {}
         self._reset_step_state()
 
     # -- setup ------------------------------------------------------------------------
@@ -143,6 +213,9 @@ class PerSampleEngine:
         self._built: dict[int, ModuleGrads | str] | None = None
         self._status: dict[str, list[tuple[int, str]] | str | None] | None = None
         self._batch: int | None = None
+        self._sizes: list[tuple[int, int]] | None = None  # (micro, samples) in sample order
+        self._effective: dict[int, list[tuple[int, Call]]] | None = None
+        self._shared_forward: set[int] = set()  # losses whose backward met another's calls
         self._cache: dict[str, dict[str, Tensor]] = {}
         self._shared: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
 
@@ -169,7 +242,9 @@ class PerSampleEngine:
             hooked.calls = []
             hooked.rule.reset()
         self._observed = {}
+        self._micros = []
         self.unavailable = {}
+        self.unavailable_sum = {}
         self._reset_step_state()
 
     def _on_forward(
@@ -193,6 +268,8 @@ class PerSampleEngine:
         if hooked.rule.keeps_outputs:
             call.outputs = [leaves[j].detach() for j in slots]
             call.out_versions = [leaves[j]._version for j in slots]
+        if len(leaves) == 1 and leaves[0].dim() > 0 and leaves[0].shape[0] == 1:
+            call.node = leaves[0].grad_fn  # may be broadcast over the batch: see add_loss
         for slot, j in enumerate(slots):
             self._handles.append(leaves[j].register_hook(partial(self._on_grad, call, slot)))
         hooked.calls.append(call)
@@ -200,10 +277,26 @@ class PerSampleEngine:
         self._built = None
         self._batch = None
 
-    @staticmethod
-    def _on_grad(call: Call, slot: int, grad: Tensor) -> None:
+    def _micro_now(self) -> int | None:
+        """The registered loss whose backward is running now, or None (another pass)."""
+        task = _graph_task()
+        return next((m for m, micro in enumerate(self._micros) if micro.task == task), None)
+
+    def _on_grad(self, call: Call, slot: int, grad: Tensor) -> None:
         if hooks_paused():  # deepscope's own backward passes (curvature) are not the user's
             return
+        if self._micros:
+            micro = self._micro_now()
+            if micro is None:  # another backward / autograd.grad pass: not the loss's
+                return
+            if call.micro not in (None, micro):
+                call.error = (
+                    "its output reached two registered losses (rec.loss); a micro-batch's "
+                    "forward must feed only its own loss"
+                )
+                self._shared_forward.add(micro)
+                return
+            call.micro = micro
         # several backward passes through one output add up, like .grad does
         previous = call.grads[slot]
         call.grads[slot] = grad if previous is None else previous + grad
@@ -211,79 +304,260 @@ class PerSampleEngine:
     def _on_param_grad(self, name: str, grad: Tensor) -> None:
         if hooks_paused():
             return
-        previous = self._observed.get(name)
+        store = self._observed
+        if self._micros:
+            micro = self._micro_now()
+            if micro is None:
+                return
+            store = self._micros[micro].observed
+        previous = store.get(name)
         total = grad if previous is None else previous[0] + grad
-        self._observed[name] = (total, total._version)
+        store[name] = (total, total._version)
+
+    # -- registered losses (micro-batches) ---------------------------------------------------
+    def add_loss(self, loss: Tensor, scale: float, per_sample: Tensor | None = None,
+                 unit: float | None = None) -> None:
+        """Register the loss of one micro-batch: after its forward, before its backward.
+
+        Only the backward pass that runs through `loss` or `per_sample` (the first plain
+        one; a create_graph=True pass only if no plain one follows) is captured for the
+        calls it reaches: `rec.loss(losses.mean(), per_sample=losses)` followed by a new
+        `losses.mean().backward()` is found through `per_sample`.
+
+        scale: Σᵢ ℓᵢ / loss, i.e. gᵢ = scale · ∂loss/∂(sample i's part): B for a mean, 1
+        for a sum, k·B for a mean divided by k micro-batches. unit: ∂loss/∂(one element
+        of per_sample) (1 / (scale·T) for a mean over T parts per sample, 1 / scale for a
+        sum). Whatever multiplies the loss on its way to the backpropagated root (loss / k,
+        a GradScaler) is read from the backward pass itself.
+        """
+        scale = self._check_scale(scale)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError("add_loss needs the scalar loss tensor that will be backpropagated")
+        index = len(self._micros)
+        size = per_sample.shape[0] if isinstance(per_sample, Tensor) and per_sample.dim() else None
+        self._micros.append(_Micro(scale, size, unit=1.0 / scale if unit is None else unit))
+        self._built = None
+        self._batch = None
+        nodes = [(t.grad_fn, t is not loss) for t in (loss, per_sample)
+                 if isinstance(t, Tensor) and t.grad_fn is not None]
+        for node, via_parts in nodes:  # none: reported as "no gradients were captured"
+            self._handles.append(node.register_prehook(partial(self._on_root, index, via_parts)))
+        if nodes:
+            self._find_broadcasts(index, nodes[0][0])
+
+    def _on_root(self, index: int, via_parts: bool, grad_outputs: tuple) -> None:
+        """A backward pass reached loss `index`: claim it unless a better one already did."""
+        if hooks_paused():
+            return
+        micro = self._micros[index]
+        task, differentiable = _graph_task(), torch.is_grad_enabled()
+        if micro.task is not None and (not micro.provisional or differentiable):
+            return  # the first plain pass wins; create_graph passes are gradient penalties
+        if micro.task is not None:  # a create_graph pass came first: drop what it left
+            for _, call in self._order:
+                if call.micro == index:
+                    call.grads = [None] * len(call.grads)
+                    call.micro = None
+                    call.broadcast = None
+            micro.observed = {}
+        root = grad_outputs[0]
+        micro.task, micro.provisional, micro.via_parts = task, differentiable, via_parts
+        micro.root = None if root is None else root.detach()
+
+    def _find_broadcasts(self, index: int, root: Any) -> None:
+        """Hooks on the consumers of batch-size-1 outputs that are added to batched tensors
+        (a position embedding of (1, T) positions): their output gradient is the per-sample
+        gradient the broadcast output lacks. One walk of the loss's graph, only when such a
+        call exists."""
+        sizes: Counter[int] = Counter()
+        single: dict[Any, Call] = {}  # output node -> call on inputs of batch size 1
+        for i, call in self._order:
+            if call.micro is not None or call.error is not None:
+                continue
+            with contextlib.suppress(Unsupported):
+                size = self._hooked[i].rule.batch_size(call)
+                sizes[size] += 1
+                if size == 1 and call.node is not None and self._hooked[i].rule.batch_dim0:
+                    single[call.node] = call
+        batch = self._micros[index].size or (sizes.most_common(1)[0][0] if sizes else 1)
+        if not single or batch <= 1:
+            return
+        consumers: dict[Any, list[tuple[Any, int]]] = {}
+        seen, queue = {root}, deque([root])
+        while queue:
+            node = queue.popleft()
+            for position, (child, _) in enumerate(node.next_functions):
+                if child is None:
+                    continue
+                if child in single:
+                    consumers.setdefault(child, []).append((node, position))
+                if child not in seen:
+                    seen.add(child)
+                    queue.append(child)
+        for child, uses in consumers.items():
+            call = single[child]
+            others = sorted({type(node).__name__ for node, _ in uses} - set(_BROADCAST_SIGNS))
+            if others:
+                call.error = (
+                    f"its output has batch size 1 and reaches the loss through {others[0]}, "
+                    "which deepscope cannot split per sample (only + and - broadcasts are)"
+                )
+                continue
+            for node, position in uses:
+                sign = _BROADCAST_SIGNS[type(node).__name__][position]
+                factor = sign * (node._saved_alpha if position == 1 else 1)
+                hook = partial(self._on_broadcast, index, call, factor)
+                self._handles.append(node.register_prehook(hook))
+
+    def _on_broadcast(self, index: int, call: Call, factor: float, grad_outputs: tuple) -> None:
+        if hooks_paused() or grad_outputs[0] is None or call.error is not None:
+            return
+        if self._micros[index].task != _graph_task():
+            return
+        g = grad_outputs[0] if factor == 1 else grad_outputs[0] * factor
+        call.broadcast = g if call.broadcast is None else call.broadcast + g
 
     # -- per-step setup -----------------------------------------------------------------
     @property
     def batch_size(self) -> int:
-        """B: the batch dim size most module calls agree on (normally dim 0 of every input)."""
+        """The number of samples: B, or Σ over micro-batches (registered losses) of theirs;
+        each one's is the batch dim size most of its module calls agree on (normally dim 0
+        of every input)."""
         if self._batch is None:
-            if not self._order:
-                raise ValueError(
-                    "no forward pass was captured: call engine.start() before the model's forward"
-                )
-            sizes: Counter[int] = Counter()
+            self._batch = sum(size for _, size in self._micro_sizes())
+        return self._batch
+
+    @property
+    def micro_batch_sizes(self) -> list[int]:
+        """Samples per registered loss, in registration order ([B] without add_loss)."""
+        return [size for _, size in self._micro_sizes()]
+
+    def _effective_calls(self) -> dict[int, list[tuple[int, Call]]]:
+        """micro-batch -> [(module index, call)] of the calls with gradients; a call whose
+        batch-size-1 output was broadcast over the batch is replaced by its per-sample form
+        (size-1 inputs expanded to the batch, the broadcast result's gradient)."""
+        if self._effective is None:
+            calls: dict[int, list[tuple[int, Call]]] = {}
             for index, call in self._order:
-                if any(g is not None for g in call.grads):
-                    try:
-                        sizes[self._hooked[index].rule.batch_size(call)] += 1
-                    except Unsupported:
-                        continue
-            if not sizes:
+                if any(g is not None for g in call.grads) or call.error is not None:
+                    micro = call.micro if self._micros else 0
+                    if micro is not None:
+                        calls.setdefault(micro, []).append((index, _expanded(call)))
+            self._effective = calls
+        return self._effective
+
+    def _micro_sizes(self) -> list[tuple[int, int]]:
+        """(micro-batch, samples) in registration order: per_sample's batch when add_loss got
+        it, else the batch size most calls agree on."""
+        if self._sizes is not None:
+            return self._sizes
+        if not self._order:
+            raise ValueError(
+                "no forward pass was captured: call engine.start() before the model's forward"
+            )
+        effective = self._effective_calls()
+        sizes = []
+        for micro in range(max(len(self._micros), 1)):
+            counts: Counter[int] = Counter()
+            for index, call in effective.get(micro, []):
+                with contextlib.suppress(Unsupported):
+                    counts[self._hooked[index].rule.batch_size(call)] += 1
+            which = f" of loss {micro + 1} (micro-batch {micro + 1})" if self._micros else ""
+            if not counts and not self._micros:
                 raise ValueError(
                     "no gradients were captured: call backward() on the loss after the forward, "
                     "and engine.stop() only after it"
                 )
-            self._batch = sizes.most_common(1)[0][0]
-        return self._batch
+            if not counts and micro in self._shared_forward:
+                raise ValueError(
+                    f"loss {micro + 1} reached only module outputs of an earlier registered "
+                    "loss's forward (two registered losses on one forward are not two "
+                    "micro-batches): register their sum once, or run a forward per micro-batch")
+            if not counts:
+                raise ValueError(
+                    f"no gradients were captured{which}: no backward pass ran through the loss "
+                    "or per_sample given to rec.loss; call rec.loss after the forward and "
+                    "before backward() on that loss"
+                )
+            given = self._micros[micro].size if self._micros else None
+            if given is not None and given not in counts:
+                raise ValueError(
+                    f"the model saw a batch{which} of {counts.most_common(1)[0][0]} samples but "
+                    f"per_sample has {given}; pass the per-sample losses of this batch")
+            sizes.append((micro, given or counts.most_common(1)[0][0]))
+        self._sizes = sizes
+        return sizes
 
-    def set_scale(self, scale: float) -> None:
-        """Set the factor from captured output gradients to gradients of the ℓᵢ:
-        B when the backpropagated loss was the mean of the ℓᵢ, 1 when it was their sum."""
+    def _check_scale(self, scale: float) -> float:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise TypeError(f"scale must be a number (e.g. the batch size), got {scale!r}")
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"scale must be finite and > 0 (B for a mean loss), got {scale}")
+        return float(scale)
+
+    def set_scale(self, scale: float) -> None:
+        """Set the factor from captured output gradients to gradients of the ℓᵢ:
+        B when the backpropagated loss was the mean of the ℓᵢ, 1 when it was their sum.
+        (Without `add_loss` only; a registered loss carries its own.)"""
+        scale = self._check_scale(scale)
         if scale != self._scale:
-            self._scale = float(scale)
+            self._scale = scale
             self._built = None
+
+    def _micro_scale(self, micro: int) -> float:
+        """Factor from captured output gradients to gradients of the ℓᵢ of a micro-batch."""
+        if not self._micros:
+            return self._scale
+        entry = self._micros[micro]
+        if entry.root is None:
+            return entry.scale
+        if entry.via_parts:  # ∂root/∂per_sample: one factor for every element, or no gᵢ
+            low, high = (float(v) for v in torch.aminmax(entry.root.reshape(-1)))
+            if abs(high - low) > 1e-6 * max(abs(high), abs(low)):
+                raise Unsupported(
+                    "the backpropagated loss weighs the elements of per_sample unequally "
+                    f"(from {low:.3g} to {high:.3g}); pass rec.loss the loss you backpropagate")
+            root = high / entry.unit
+        else:
+            root = float(entry.root.reshape(()))
+        if not math.isfinite(root) or root == 0:
+            raise Unsupported(f"the backward pass scaled the loss by {root}")
+        return entry.scale / root
 
     def _build(self) -> dict[int, ModuleGrads | str]:
         """ModuleGrads (or the reason there are none) per hooked module with gradients."""
         if self._built is not None:
             return self._built
+        sizes = self._micro_sizes()
         batch = self.batch_size
+        effective = self._effective_calls()
         # kept per-sample gradients never outweigh the largest module's: peak memory stays
         # within the training's plus about one layer's per-sample gradients
         largest = max((batch * sum(p.numel() * p.element_size() for p in h.rule.params.values())
                        for h in self._hooked), default=0)
         budget = Budget(min(self.cache_bytes, largest))
+        by_module: dict[int, dict[int, list[Call]]] = {}
+        for micro, pairs in effective.items():
+            for index, call in pairs:
+                by_module.setdefault(index, {}).setdefault(micro, []).append(call)
         built: dict[int, ModuleGrads | str] = {}
-        for index, hooked in enumerate(self._hooked):
-            calls = [c for c in hooked.calls if any(g is not None for g in c.grads)]
-            if not calls:
-                continue
+        for index, per_micro in by_module.items():
+            hooked = self._hooked[index]
             warn = partial(self._module_warn, hooked)
-            ctx = Context(batch, self._scale, self.chunk_size, budget, warn)
-            for call in calls:
-                current = [x._version for x in tensor_leaves((call.args, call.kwargs))]
-                if current != call.in_versions:
-                    warn(
-                        "an input was modified in place after its forward (e.g. by an in-place "
-                        "op): its per-sample gradients use the modified values; avoid the "
-                        "in-place op"
-                    )
             try:
-                seen = sorted({hooked.rule.batch_size(c) for c in calls})
-                if seen != [batch]:
-                    raise Unsupported(
-                        f"its input batch size is {', '.join(map(str, seen))} but the batch has "
-                        f"{batch} samples (the batch must be dim 0 of every module input; a "
-                        "tensor broadcast over the batch has no per-sample gradient)"
-                    )
-                built[index] = hooked.rule.grads(calls, ctx)
+                blocks = []
+                for micro, size in sizes:
+                    calls = per_micro.get(micro)
+                    if not calls:
+                        blocks.append((size, None))
+                        continue
+                    ctx = Context(size, self._micro_scale(micro), self.chunk_size, budget, warn)
+                    blocks.append((size, self._module_grads(hooked, calls, ctx)))
+                if len(blocks) == 1:
+                    built[index] = blocks[0][1]
+                else:
+                    ctx = Context(batch, 1.0, self.chunk_size, budget, warn)
+                    built[index] = StackedGrads(blocks, hooked.rule.params, ctx)
             except Unsupported as error:
                 built[index] = str(error)
                 warn(f"{error}; its per-sample gradients are reported as NaN")
@@ -292,6 +566,30 @@ class PerSampleEngine:
         self._cache = {}
         self._shared = {}
         return built
+
+    def _module_grads(self, hooked: _Hooked, calls: list[Call], ctx: Context) -> ModuleGrads:
+        """One module's statistics over one micro-batch's calls (Unsupported: why none)."""
+        for call in calls:
+            if call.error is not None:
+                raise Unsupported(call.error)
+            current = [x._version for x in tensor_leaves((call.args, call.kwargs))]
+            if current != call.in_versions:
+                ctx.warn(
+                    "an input was modified in place after its forward (e.g. by an in-place "
+                    "op): its per-sample gradients use the modified values; avoid the "
+                    "in-place op"
+                )
+        seen = sorted({hooked.rule.batch_size(c) for c in calls})
+        if seen != [ctx.batch_size]:
+            broadcast = 1 in seen and ctx.batch_size > 1
+            raise Unsupported(
+                f"its input batch size is {', '.join(map(str, seen))} but the batch has "
+                f"{ctx.batch_size} samples"
+                + ("; its batch-size-1 output was not added to the batch (+ or -) on its way "
+                   "to the loss, so it has no per-sample gradient" if broadcast else
+                   " (the batch must be dim 0 of every module input)")
+            )
+        return hooked.rule.grads(calls, ctx)
 
     def _module_warn(self, hooked: _Hooked, message: str) -> None:
         self._warn(f"{hooked.label}: {message}")
@@ -308,7 +606,7 @@ class PerSampleEngine:
                     status[pname] = reasons[0]
                 elif live:
                     status[pname] = live
-                elif pname in self._observed:
+                elif any(pname in kept for kept in self._delivered_maps()):
                     modules = ", ".join(self._hooked[i].label for i, _ in owners) or "none"
                     status[pname] = (
                         f"it received a gradient, but its module ({modules}) passed none on; "
@@ -343,7 +641,11 @@ class PerSampleEngine:
                 if owners is None:
                     out[name] = self._constant(name, per_sample, 0.0)
                 elif isinstance(owners, str):
-                    out[name] = self._constant(name, per_sample, math.nan)
+                    total = self._delivered_sum(name) if key == "sum" else None
+                    if total is None:
+                        self.unavailable_sum[name] = owners
+                    out[name] = self._constant(name, per_sample, math.nan) if total is None \
+                        else total
                 elif len(owners) == 1:
                     index, local = owners[0]
                     if index not in modules:
@@ -373,7 +675,9 @@ class PerSampleEngine:
         return self._gather("sq", True, lambda i: self._built[i].sq_norms())
 
     def grad_mean(self) -> dict[str, Tensor]:
-        """name -> ḡ⁽ᵏ⁾ = (1/B) Σᵢ gᵢ⁽ᵏ⁾, parameter-shaped (the mean-loss gradient)."""
+        """name -> ḡ⁽ᵏ⁾ = (1/B) Σᵢ gᵢ⁽ᵏ⁾, parameter-shaped (the mean-loss gradient). It needs
+        no per-sample gradients: for a parameter without them it is what autograd delivered
+        in the loss's backward pass, NaN only when that is unusable too (`unavailable_sum`)."""
         sums = self._gather("sum", False, self._module_sum)
         return {name: s / self.batch_size for name, s in sums.items()}
 
@@ -384,12 +688,49 @@ class PerSampleEngine:
         parameter other than through this module's outputs (a penalty on θ), or when
         they were edited in place (clipping)."""
         hooked = self._hooked[index]
-        observed = {}
-        for local, name in hooked.names.items():
-            kept = self._observed.get(name)
-            if kept is not None and kept[0]._version == kept[1] and len(self._owners[name]) == 1:
-                observed[local] = kept[0] * self._scale  # Σᵢ gᵢ = scale · ∂L/∂θ
-        return self._built[index].grad_sum(observed)
+
+        def observed(micro: int) -> dict[str, Tensor]:
+            out = {}
+            for local, name in hooked.names.items():
+                value = self._delivered(name, micro) if len(self._owners[name]) == 1 else None
+                if isinstance(value, Tensor):
+                    out[local] = value
+            return out
+
+        built = self._built[index]
+        micros = [micro for micro, _ in self._micro_sizes()]
+        if isinstance(built, StackedGrads):
+            return built.grad_sum_blocks([observed(m) for m in micros])
+        return built.grad_sum(observed(micros[0]))
+
+    def _delivered_maps(self) -> list[dict[str, tuple[Tensor, int]]]:
+        """What autograd delivered to the parameters, per registered loss (one map without)."""
+        return [m.observed for m in self._micros] if self._micros else [self._observed]
+
+    def _delivered(self, name: str, micro: int) -> Tensor | bool:
+        """Σᵢ gᵢ over a micro-batch as scale · ∂L/∂θ from what autograd delivered in its
+        backward; False when nothing was delivered, True when it is unusable (edited in place
+        since, e.g. by gradient clipping, or the pass scaled the loss by 0)."""
+        kept = self._delivered_maps()[micro].get(name)
+        if kept is None:
+            return False
+        if kept[0]._version != kept[1]:
+            return True
+        try:
+            return kept[0] * self._micro_scale(micro)
+        except Unsupported:
+            return True
+
+    def _delivered_sum(self, name: str) -> Tensor | None:
+        """Σᵢ gᵢ of a parameter from what autograd delivered, or None if unusable."""
+        total = None
+        for micro, _ in self._micro_sizes():
+            value = self._delivered(name, micro)
+            if value is True:
+                return None
+            if isinstance(value, Tensor):
+                total = value if total is None else total + value
+        return total
 
     def second_moments(self) -> dict[str, Tensor]:
         """name -> Σᵢ (gᵢ⁽ᵏ⁾)² elementwise, parameter-shaped (not divided by B)."""

@@ -10,6 +10,9 @@ Call order per instrumented step (the recorder does this; a hand-written loop ma
         opt.zero_grad(); losses.mean().backward(); opt.step()
         values = inst.finish()                  # after the optimiser step
 
+Gradient accumulation: call `loss` once per micro-batch (after its forward, before its
+backward); the k micro-batches of a step are one batch of all their samples.
+
 Every quantity is reported for the whole model (layer "") and, where meaningful, per
 parameter tensor (layer = its dotted name). A quantity that cannot be computed at a step
 is reported with value None and meta["reason"]; finish() never raises.
@@ -110,14 +113,9 @@ class _Batch:
     all before the first `dots`.
     """
 
-    def __init__(self, engine: PerSampleEngine, losses: Tensor) -> None:
+    def __init__(self, engine: PerSampleEngine) -> None:
         self.engine = engine
-        self.size = engine.batch_size
-        if self.size != losses.shape[0]:
-            raise ValueError(
-                f"the model saw a batch of {self.size} samples but per_sample has "
-                f"{losses.shape[0]}; pass the per-sample losses of this batch"
-            )
+        self.size = engine.batch_size  # raises when the losses and the model disagree
         self._wanted: dict[str, dict[str, Tensor]] = {}
         self._dots: dict[str, Tensor] = {}
         self._sgd: dict[str, bool] = {}  # is_sgd_step, by key
@@ -187,6 +185,15 @@ class _Batch:
     def unavailable(self) -> dict[str, str]:
         """Parameter name -> why its per-sample gradients could not be obtained."""
         return dict(self.engine.unavailable)
+
+    def check_complete(self, name: str) -> None:
+        """Raise when a whole-model quantity would need a parameter without gᵢ."""
+        missing = self.unavailable()
+        if missing:
+            first = next(iter(missing))
+            raise ValueError(
+                f"{name} needs every parameter's per-sample gradients; unavailable for "
+                f"{', '.join(sorted(missing))} ({first}: {missing[first]})")
 
 
 class Instruments:
@@ -297,7 +304,9 @@ class Instruments:
         self._update_sizes: Tensor | None = None  # (K + 1,) ‖dₜ‖ per tensor, then in total
         self._distance: Tensor | None = None
         self._loss: Tensor | None = None  # L, float64 scalar
-        self._losses: Tensor | None = None  # ℓᵢ, (B,)
+        self._losses: Tensor | None = None  # ℓᵢ, (B,) over every micro-batch
+        self._counts: list[int] = []  # samples per micro-batch (rec.loss call)
+        self._calls = 0  # loss() calls this step
         self._reduction = "unknown"
         self._curvature: dict[str, Any] = {}
         self._failed: dict[str, str] = {}  # quantity -> reason, from start() / loss()
@@ -345,11 +354,19 @@ class Instruments:
     def loss(self, loss: Tensor, per_sample: Tensor | None) -> None:
         """Take the loss after the forward, before the user's backward; run curvature.
 
+        Gradient accumulation: call it once per micro-batch, after its forward and before
+        its backward; the step's quantities are those of one batch of all the micro-batches'
+        samples (Loss: the mean ℓᵢ over all of them).
+
         Args:
-            loss: the scalar that will be backpropagated: the mean or the sum of per_sample
-                (inferred), so that gᵢ and the Hessian of the mean loss follow.
-            per_sample: the (B,) per-sample losses (trailing dims, e.g. tokens, are reduced
-                the same way), or None when no chosen quantity needs them.
+            loss: the scalar that will be backpropagated: the mean or the sum of per_sample,
+                either possibly divided by a whole number k (the usual loss / k of
+                accumulation), inferred from the values; gᵢ and the Hessian of the mean loss
+                follow. Factors applied after this call (loss / k, a GradScaler) are read from
+                the backward pass.
+            per_sample: the (B, ...) per-sample losses, batch first; other dims (e.g. tokens)
+                are averaged for a mean loss and summed for a sum loss. None when no chosen
+                quantity needs them.
 
         Raises:
             RuntimeError: outside start() / finish().
@@ -360,6 +377,7 @@ class Instruments:
         if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
             raise TypeError("loss must be a scalar floating-point tensor (the reduced loss)")
         needs = self._due & NEEDS_PER_SAMPLE | ({"Alpha"} if self._alpha_end else set())
+        self._calls += 1
         if per_sample is None:
             if needs:
                 raise ValueError(
@@ -367,18 +385,35 @@ class Instruments:
                     "(reduction='none'), e.g. rec.loss(losses.mean(), per_sample=losses)"
                 )
             self._loss = loss.detach().double().reshape(())
+            if self._calls > 1:
+                self._failed["Loss"] = (
+                    "several rec.loss calls in this step (gradient accumulation): Loss needs "
+                    "per_sample= in each, to weigh the micro-batches by their samples")
             return
         if not isinstance(per_sample, Tensor) or per_sample.dim() < 1 or per_sample.numel() == 0:
-            raise TypeError("per_sample must be a non-empty tensor of per-sample losses (B,)")
-        self._losses, scale = self._reduce(loss, per_sample)
+            raise TypeError("per_sample must be a non-empty tensor of per-sample losses (B, ...)")
+        losses, scale, kind = self._reduce(loss, per_sample)
+        reduction = "sum" if kind == "sum" and losses.shape[0] > 1 else "mean"
+        if self._counts and reduction != self._reduction:
+            raise ValueError(
+                f"micro-batch {len(self._counts) + 1}'s loss is a {reduction} of per_sample but "
+                f"the earlier ones were a {self._reduction}; reduce every micro-batch alike")
+        before = sum(self._counts)
+        self._counts.append(losses.shape[0])
+        self._losses = losses if self._losses is None else torch.cat([self._losses, losses])
         self._loss = self._losses.mean()
-        self._reduction = "sum" if scale == 1 and self._losses.shape[0] > 1 else "mean"
+        self._reduction = reduction
         if self._engine_on:
-            self._engine.set_scale(scale)
+            # ∂loss/∂(one element of per_sample): a mean also averages each sample's parts
+            unit = 1 / (scale * per_sample[0].numel()) if kind == "mean" else 1 / scale
+            self._engine.add_loss(loss, scale, per_sample, unit)
         if self._due & NEEDS_HESSIAN:
-            # H of the mean loss L = loss · scale / B, whatever the user's reduction
-            batch = self._losses.shape[0]
+            # H of the micro-batch's mean loss = loss · scale / B, whatever the reduction
+            previous, self._curvature = self._curvature, {}
+            batch = losses.shape[0]
             self._run_curvature(loss if scale == batch else loss * (scale / batch))
+            if before:
+                self._merge_curvature(previous, before, batch)
 
     def finish(self) -> list[QuantityValue]:
         """Compute every due quantity after the user's backward and optimiser step.
@@ -422,25 +457,71 @@ class Instruments:
 
     # -- helpers ---------------------------------------------------------------------------
     @staticmethod
-    def _reduce(loss: Tensor, per_sample: Tensor) -> tuple[Tensor, float]:
-        """(ℓᵢ (B,) float64, engine scale) from the loss and its per-sample parts.
+    def _reduce(loss: Tensor, per_sample: Tensor) -> tuple[Tensor, float, str]:
+        """(ℓᵢ (B,) float64, engine scale Σᵢ ℓᵢ / loss, "mean" | "sum") from the loss and
+        its per-sample parts (B, ...).
 
-        loss ≈ mean → ℓᵢ = the mean of sample i's parts, scale B; ≈ sum → sums, scale 1.
-        A non-finite loss cannot tell: it is taken as a mean (its quantities are NaN anyway).
+        loss ≈ mean / k → ℓᵢ = the mean of sample i's parts, scale k·B; ≈ sum / k → their
+        sums, scale k; k = 1 or a whole number (micro-batches of gradient accumulation),
+        tried in that order. A non-finite loss cannot tell: it is taken as a mean (its
+        quantities are NaN anyway).
         """
         flat = per_sample.detach().reshape(per_sample.shape[0], -1).double()
         value, mean, total = torch.stack(
             [loss.detach().double().reshape(()), flat.mean(), flat.sum()]
         ).tolist()
         rtol = max(1e-4, 10 * torch.finfo(loss.dtype).eps)
-        if not math.isfinite(value) or abs(value - mean) <= rtol * max(abs(value), abs(mean)):
-            return flat.mean(1), float(flat.shape[0])
-        if abs(value - total) <= rtol * max(abs(value), abs(total)):
-            return flat.sum(1), 1.0
+
+        def divisor(reduced: float) -> int | None:
+            """k with value ≈ reduced / k, or None."""
+            if abs(value - reduced) <= rtol * max(abs(value), abs(reduced)):
+                return 1
+            if value == 0 or reduced == 0 or (value > 0) != (reduced > 0):
+                return None
+            k = round(reduced / value)
+            ok = k >= 2 and abs(value * k - reduced) <= rtol * abs(reduced)
+            return k if ok else None
+
+        if not math.isfinite(value):
+            return flat.mean(1), float(flat.shape[0]), "mean"
+        for reduced, kind in ((mean, "mean"), (total, "sum")):
+            k = divisor(reduced)
+            if k is not None:
+                values = flat.mean(1) if kind == "mean" else flat.sum(1)
+                scale = k * (flat.shape[0] if kind == "mean" else 1)
+                return values, float(scale), kind
         raise ValueError(
             f"loss ({value:.6g}) is neither the mean ({mean:.6g}) nor the sum ({total:.6g}) of "
-            "per_sample; pass loss = per_sample.mean() or per_sample.sum()"
+            "per_sample, nor one of them divided by a whole number; pass loss = "
+            "per_sample.mean() or per_sample.sum() (or either / k for k micro-batches)"
         )
+
+    def _merge_curvature(self, previous: dict[str, Any], before: int, added: int) -> None:
+        """Fold a micro-batch's curvature (`self._curvature`, `added` samples) into that of
+        the earlier ones (`before` samples): the mean loss's Hessian over all samples is the
+        sample-weighted mean of theirs, and the diagonal estimates are linear in it (with
+        the same probes); the top eigenvalue is not."""
+        current, self._curvature = self._curvature, {}
+        due = self._due & NEEDS_HESSIAN
+        if "HessMaxEV" in due:
+            self._failed["HessMaxEV"] = (
+                "HessMaxEV needs the Hessian of the whole step's loss at once; with several "
+                "rec.loss calls (gradient accumulation) each micro-batch's graph is freed by "
+                "its backward: schedule it on steps without accumulation")
+        if "diagonal" not in previous or "diagonal" not in current:
+            return  # the failing micro-batch's reason is in self._failed already
+        if previous["diagonal_meta"] != current["diagonal_meta"]:
+            self._failed.update(dict.fromkeys(due & NEEDS_DIAGONAL, (
+                "the micro-batches' Hessian diagonals were estimated differently "
+                f"({previous['diagonal_meta']} and {current['diagonal_meta']})")))
+            return
+        w0, w1 = before / (before + added), added / (before + added)
+        self._curvature = {
+            "diagonal": [w0 * a + w1 * b for a, b in zip(previous["diagonal"],
+                                                          current["diagonal"])],
+            "traces": w0 * previous["traces"] + w1 * current["traces"],
+            "diagonal_meta": current["diagonal_meta"],
+        }
 
     def _run_curvature(self, mean_loss: Tensor) -> None:
         due = self._due & NEEDS_HESSIAN
@@ -500,7 +581,9 @@ class Instruments:
             if layer in unavailable:
                 why = f"per-sample gradients unavailable: {unavailable[layer]}"
             elif layer == TOTAL and unavailable:
-                why = f"per-sample gradients unavailable for {', '.join(sorted(unavailable))}"
+                first = min(unavailable)
+                why = (f"per-sample gradients unavailable for {', '.join(sorted(unavailable))} "
+                       f"({first}: {unavailable[first]})")
             elif is_bad:
                 why = reason
             else:
@@ -523,7 +606,7 @@ class Instruments:
         batch_error = NO_LOSS
         if self._engine_on and self._losses is not None:
             try:
-                batch = _Batch(self._engine, self._losses)
+                batch = _Batch(self._engine)
             except Exception as error:
                 batch_error = _describe(error)
         if update is not None:
@@ -580,8 +663,10 @@ class Instruments:
     ) -> list[QuantityValue]:
         """The values of one due quantity at the current step."""
         if name == "Loss":
-            return [QuantityValue("Loss", self._step, value=float(self._loss),
-                                  meta={"reduction": self._reduction})]
+            meta: dict[str, Any] = {"reduction": self._reduction}
+            if len(self._counts) > 1:
+                meta["micro_batches"] = len(self._counts)
+            return [QuantityValue("Loss", self._step, value=float(self._loss), meta=meta)]
         if name == "Distance":
             return self._rows(name, self._distance)
         if name == "UpdateSize":
@@ -629,8 +714,10 @@ class Instruments:
             meta = self._curvature["diagonal_meta"]
             value = (tic_diag(moments, self._curvature["diagonal"]) if name == "TICDiag"
                      else tic_trace(moments, self._curvature["traces"]))
-        # read after computing: the engine finds parameters without per-sample gradients then
-        return self._rows(name, value, meta, undefined, reason, batch.unavailable())
+        # read after computing: the engine finds parameters without per-sample gradients then;
+        # ḡ needs none (GradNorm): only parameters whose delivered gradient is unusable too
+        missing = batch.engine.unavailable_sum if name == "GradNorm" else batch.unavailable()
+        return self._rows(name, value, meta, undefined, reason, dict(missing))
 
     def _cabs(self, S: Tensor, N: Tensor, B: int) -> tuple[Tensor, dict[str, Any]]:
         """CABS rows and meta; the learning rate comes from the optimiser's first group."""
@@ -669,13 +756,17 @@ class Instruments:
         if tau == 0:
             return [QuantityValue("Alpha", self._step, value=-1.0, meta={"tau": 0.0})]
         named = dict(zip(self._names, update))
-        point = line_point(self._losses, batch.projections("start", named, tau))
+        projections = batch.projections("start", named, tau)
+        batch.check_complete("Alpha")
+        point = line_point(self._losses, projections)
         self._pending = AlphaStart(self._step, point, named, tau)
         return []
 
     def _alpha_value(self, start: AlphaStart, batch: _Batch) -> QuantityValue:
         """α of step start.step from its start point and this step's end point."""
-        end = line_point(self._losses, batch.projections("end", start.update, start.tau))
+        projections = batch.projections("end", start.update, start.tau)
+        batch.check_complete("Alpha")
+        end = line_point(self._losses, projections)
         fit = fit_alpha(start.point, end, start.tau)
         meta: dict[str, Any] = {
             "tau": start.tau, "end_step": self._step,

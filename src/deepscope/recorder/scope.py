@@ -319,6 +319,8 @@ class Scope:
                        module: nn.Module, inputs: Any) -> None:
         role = "output" if is_root else "activation"
         frozen = tuple(id(p) for p in module.parameters(recurse=False) if not p.requires_grad)
+        if rec._after_loss:  # the next micro-batch's forward (gradient accumulation)
+            rec._next_micro_batch()
         for suffix, t in named_leaves(output):
             if reason := unrecordable(t):  # e.g. a sparse output: the other outputs go on
                 self._warn_once(f"activation {path + suffix}: {reason}; it is not recorded")

@@ -105,6 +105,8 @@ class StepRecorder:
         self._iteration = 0
         self._open = False
         self._iterations_used = False
+        self._after_loss = False  # a rec.loss ended a micro-batch: the next tensor starts one
+        self._loss_names: set[str] = set()
         self._kpis: list[tuple[str, Any]] = []
         self.loss_value: torch.Tensor | None = None
         self._hooks: list[Any] = []
@@ -165,6 +167,8 @@ class StepRecorder:
         if role_in_node is not None:
             _check_name(role_in_node, "role_in_node")
         batch_dim = _check_batch_dim(name, tensor, batch_dim)
+        if self._after_loss:
+            self._next_micro_batch()
         key = (name, self._iteration)
         if key in self._seen:
             raise ValueError(f"tensor {name!r} is already registered in iteration "
@@ -180,9 +184,22 @@ class StepRecorder:
              name: str = "loss") -> None:
         """Register the loss that will be backpropagated, and optionally the per-sample losses.
 
-        loss: scalar tensor (mean or sum of per_sample; the reduction is inferred).
-        per_sample: (B,) losses of the batch items; needed by most instruments. The loss is
-        also logged as the KPI `name` on every step.
+        Call it after the forward and before the backward. loss: scalar tensor, the mean or
+        the sum of per_sample, either possibly divided by a whole number k (loss / k under
+        gradient accumulation); the reduction is inferred. per_sample: (B, ...) losses of the
+        batch items, batch first (e.g. (B, 1) from MSELoss(reduction='none'), (B, T) per
+        token); the other dims are averaged for a mean loss and summed for a sum loss;
+        needed by most instruments. Only the backward pass through this loss (or
+        per_sample) feeds the instruments: other backward / autograd.grad passes in the step
+        (a gradient penalty) do not.
+
+        Gradient accumulation: call rec.loss once per micro-batch, each before that
+        micro-batch's backward; the k micro-batches of the step are one batch of all their
+        samples for the instruments. Tensors registered after a rec.loss (the next
+        micro-batch's forward) go to a new iteration: micro-batch m is iteration m.
+
+        The loss is also logged as the KPI `name` on every step: with several rec.loss calls
+        of one name, their sum (the loss whose gradient the optimiser step uses).
         """
         self._check_open("loss")
         _check_name(name, "loss name")
@@ -191,11 +208,19 @@ class StepRecorder:
                    else type(loss).__name__)
             raise TypeError(f"rec.loss(loss, ...) needs the scalar loss tensor, got {got}")
         if per_sample is not None and (not isinstance(per_sample, torch.Tensor)
-                                       or per_sample.dim() != 1):
-            raise TypeError("rec.loss(..., per_sample=...) needs a 1-D tensor of per-sample "
-                            "losses (reduction='none'), e.g. loss_fn(out, y, reduction='none')")
-        self.loss_value = loss.detach()
-        self._kpis.append((name, self.loss_value))
+                                       or per_sample.dim() < 1 or per_sample.numel() == 0):
+            raise TypeError("rec.loss(..., per_sample=...) needs a tensor of per-sample losses "
+                            "with the batch as dim 0 (reduction='none'), e.g. "
+                            "loss_fn(out, y, reduction='none')")
+        if self._after_loss:
+            self._next_micro_batch()
+        value = loss.detach()
+        if name in self._loss_names:  # accumulation: the step's loss is the sum
+            j = next(j for j, (kpi, _) in enumerate(self._kpis) if kpi == name)
+            value = self._kpis.pop(j)[1] + value
+        self._loss_names.add(name)
+        self.loss_value = value
+        self._kpis.append((name, value))
         if self.recording:
             self.tensor(name, loss.reshape(()) if loss.dim() else loss, role="loss")
             if per_sample is not None:
@@ -210,6 +235,7 @@ class StepRecorder:
         if self._instrumented:
             # Bad input must reach the user; internal failures are handled inside Instruments.
             self.scope.instruments.loss(loss, per_sample)
+        self._after_loss = True
 
     def kpi(self, name: str, value: float | torch.Tensor) -> None:
         """Log a scalar on every step, recorded or not (cheap: no host sync here)."""
@@ -230,6 +256,7 @@ class StepRecorder:
                                  "record every n-th iteration, or split the sequence into steps")
             self._iteration += 1
         self._iterations_used = True
+        self._after_loss = False
         yield self._iteration
 
     def connect(self, source: str, target: str) -> None:
@@ -264,6 +291,12 @@ class StepRecorder:
         return self._iteration
 
     # --- internals ------------------------------------------------------------------------
+    def _next_micro_batch(self) -> None:
+        """The first tensor or loss after a rec.loss starts the next micro-batch's iteration."""
+        self._after_loss = False
+        self._iteration += 1
+        self._iterations_used = True
+
     def _add(self, name: str, tensor: torch.Tensor, role: str, node: str, role_in_node: str,
              batch_dim: int | None) -> None:
         it = self._iteration

@@ -38,6 +38,12 @@ class Call:
              at forward time (only kept for rules that set `keeps_outputs`).
     in_versions: version counters of the tensor leaves of (args, kwargs) at forward time.
     extra:   what `Rule.capture` returned at forward time.
+    micro:   index of the registered loss whose backward delivered `grads` (None: none yet).
+    node:    the output's autograd node, kept when the output has batch size 1 (a candidate
+             for broadcasting over the batch).
+    broadcast: for such an output added to a batched tensor, ∂L/∂(the broadcast result),
+             (B, *output.shape[1:]), which is its per-sample gradient.
+    error:   why this call has no per-sample gradients (set while capturing).
     """
 
     args: tuple[Any, ...]
@@ -48,6 +54,10 @@ class Call:
     out_versions: list[int] = field(default_factory=list)
     in_versions: list[int] = field(default_factory=list)
     extra: Any = None
+    micro: int | None = None  # the registered loss (micro-batch) whose backward reached it
+    node: Any = None
+    broadcast: Tensor | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -267,6 +277,90 @@ def split_dots(
     return out
 
 
+class StackedGrads(ModuleGrads):
+    """One module's statistics over the micro-batches of a step (gradient accumulation):
+    consecutive blocks of samples, each with its own ModuleGrads, or None where the module
+    received no gradient from that block (its gᵢ are zero there)."""
+
+    def __init__(
+        self, blocks: list[tuple[int, ModuleGrads | None]], params: dict[str, Tensor],
+        ctx: Context,
+    ) -> None:
+        first = next(g for _, g in blocks if g is not None)
+        super().__init__(first.shapes, first.dtype, ctx)
+        self.blocks = blocks  # (samples, grads) in sample order
+        self._like = params
+
+    def _zeros(self, n: int) -> dict[str, Tensor]:
+        return {name: self._like[name].new_zeros(n, *shape, dtype=self.dtype)
+                for name, shape in self.shapes.items()}
+
+    def per_sample(self, lo: int, hi: int) -> dict[str, Tensor]:
+        pieces: dict[str, list[Tensor]] = {name: [] for name in self.shapes}
+        start = 0
+        for size, grads in self.blocks:
+            a, b = max(lo, start), min(hi, start + size)
+            if a < b:
+                chunk = self._zeros(b - a) if grads is None else grads.chunk(a - start, b - start)
+                for name, g in chunk.items():
+                    pieces[name].append(g)
+            start += size
+        return {name: torch.cat(p) for name, p in pieces.items()}
+
+    def _joined(self, per_block: Callable[[ModuleGrads], dict[str, Tensor]]) -> dict[str, Tensor]:
+        """Per-sample results (b,) of each block joined in sample order (zeros where None)."""
+        parts: dict[str, list[Tensor]] = {name: [] for name in self.shapes}
+        for size, grads in self.blocks:
+            got = per_block(grads) if grads is not None else None
+            for name in self.shapes:
+                zero = self._like[name].new_zeros(size, dtype=self.dtype)
+                parts[name].append(zero if got is None or name not in got else got[name])
+        return {name: torch.cat(p) for name, p in parts.items()}
+
+    def _summed(self, per_block: Callable[[ModuleGrads], dict[str, Tensor]]) -> dict[str, Tensor]:
+        total: dict[str, Tensor] = {}
+        for _, grads in self.blocks:
+            if grads is not None:
+                for name, v in per_block(grads).items():
+                    total[name] = total[name] + v if name in total else v
+        return total
+
+    def sq_norms(self) -> dict[str, Tensor]:
+        return self._joined(lambda g: g.sq_norms())
+
+    def grad_sum(self, observed: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        return self.grad_sum_blocks([None] * len(self.blocks))
+
+    def grad_sum_blocks(self, observed: list[dict[str, Tensor] | None]) -> dict[str, Tensor]:
+        """Σᵢ gᵢ, offering each block what autograd delivered in its backward pass."""
+        blocks = iter(observed)
+        return self._summed(lambda g: g.grad_sum(next(blocks)))
+
+    def second_moments(self) -> dict[str, Tensor]:
+        return self._summed(lambda g: g.second_moments())
+
+    def dots(self, vector_sets: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+        per_block = [(size, g.dots(vector_sets) if g is not None else None)
+                     for size, g in self.blocks]
+        out: list[dict[str, Tensor]] = []
+        for k, vectors in enumerate(vector_sets):
+            out.append({})
+            for name in (n for n in self.shapes if n in vectors):
+                out[k][name] = torch.cat([
+                    got[k][name] if got is not None
+                    else self._like[name].new_zeros(size, dtype=self.dtype)
+                    for size, got in per_block])
+        return out
+
+    def parts(self) -> Iterator[dict[str, Part]]:
+        for size, grads in self.blocks:
+            if grads is not None:
+                yield from grads.parts()
+                continue
+            for lo in range(0, size, self.ctx.chunk_size):
+                yield self._zeros(min(self.ctx.chunk_size, size - lo))
+
+
 class DenseGrads(ModuleGrads):
     """Per-sample gradients that are small enough to compute whole (norm layers)."""
 
@@ -290,10 +384,14 @@ class Rule:
                      modules that use their children's parameters without calling them,
                      like nn.MultiheadAttention's out_proj).
       keeps_outputs  the engine keeps each call's detached output leaves in `Call.outputs`.
+      batch_dim0     the batch is dim 0 of every input and of the output: a call on inputs of
+                     batch size 1 whose output is broadcast over the batch gets per-sample
+                     gradients by expanding its size-1 inputs (see the engine).
     """
 
     recursive: bool = False
     keeps_outputs: bool = False
+    batch_dim0: bool = True  # the batch is dim 0 of inputs and output (broadcasts are split)
 
     def __init__(self, module: nn.Module, params: dict[str, nn.Parameter]) -> None:
         self.module = module

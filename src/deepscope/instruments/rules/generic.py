@@ -292,6 +292,7 @@ class MultiheadAttentionRule(GenericRule):
     batch dim 1 for query/key/value unless batch_first."""
 
     recursive = True
+    batch_dim0 = False
 
     def _dim(self) -> int:
         return 0 if self.module.batch_first else 1
@@ -317,6 +318,8 @@ class MultiheadAttentionRule(GenericRule):
 
 class RNNRule(GenericRule):
     """nn.RNN / LSTM / GRU: input batch dim 0 if batch_first else 1; states batch dim 1."""
+
+    batch_dim0 = False
 
     def _dim(self) -> int:
         return 0 if self.module.batch_first else 1
