@@ -46,21 +46,10 @@ CASES = {c.name: c for c in [
               compiled=True),
 ]}
 
-ACCUMULATION = pytest.mark.xfail(
-    strict=True, raises=ValueError,
-    reason="needs w14e: a second rec.loss in a step (loss / k) is refused")
-BROADCAST = pytest.mark.xfail(
-    strict=True, reason="needs w14e: the (1, T) position embedding has no per-sample "
-    "gradient, which makes the totals NaN and Alpha 'non-finite'")
 COMPILE = pytest.mark.xfail(
     strict=True, reason="needs w14w: on a compiled model module hooks do not fire and "
     "parameters are named _orig_mod.*")
 XFAIL = {
-    ("accumulate2", "graph"): ACCUMULATION, ("accumulate2", "values"): ACCUMULATION,
-    ("accumulate2", "numbers"): ACCUMULATION, ("accumulate4", "graph"): ACCUMULATION,
-    ("accumulate4", "values"): ACCUMULATION, ("accumulate4", "numbers"): ACCUMULATION,
-    ("gpt2", "values"): BROADCAST, ("gpt2", "numbers"): BROADCAST,
-    ("bert", "values"): BROADCAST, ("bert", "numbers"): BROADCAST,
     ("compiled", "graph"): COMPILE, ("compiled", "numbers"): COMPILE,
 }
 
