@@ -15,7 +15,8 @@ import deepscope
 from deepscope.recorder.step import StepRecorder
 
 STEPS, BATCH, SEQ, VOCAB, CLIP = 3, 4, 8, 40, 1.0
-SCOPE = dict(schedule=2, instruments="economy", instrument_schedule=1)
+# instruments every 2nd step: step 1 is instrumented only as α's end point of step 0
+SCOPE = dict(schedule=2, instruments="economy", instrument_schedule=2)
 # rec.loss per micro-batch and losses divided by a token count (sum / k) are being finished
 # on another branch; until then only the plain mean loss with one micro-batch runs here.
 ACCUMULATING = hasattr(StepRecorder, "_next_micro_batch")
@@ -124,7 +125,7 @@ def _hand_loop(model, tmp_path, run: str, task: str, k: int) -> None:
 def _assert_same_run(a_path, b_path, rtol: float) -> None:
     with deepscope.open_run(a_path) as a, deepscope.open_run(b_path) as b:
         qa, qb = a.quantities(), b.quantities()
-        assert len(qa) == len(qb) and qa["value"].notna().sum() > 30
+        assert len(qa) == len(qb) and qa["value"].notna().sum() > 20
         assert qa[["step", "name", "layer"]].equals(qb[["step", "name", "layer"]])
         np.testing.assert_allclose(qa["value"], qb["value"], rtol=rtol, equal_nan=True)
         la, lb = a.kpis("loss"), b.kpis("loss")

@@ -109,11 +109,11 @@ class DeepscopeCallback(_hf.TrainerCallback):
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.scope is None or self._rec is not None:
             return
+        inst = self.scope.instruments  # asked before the step starts (α's end step)
+        wanted = inst is not None and bool(inst.wants(state.global_step, "default"))
         self._steps = contextlib.ExitStack()
         self._rec = self._steps.enter_context(self.scope.step(state.global_step))
-        inst = self.scope.instruments
-        self._per_sample_wanted = self._rec.recording or (
-            inst is not None and bool(inst.wants(state.global_step, self._rec.kind)))
+        self._per_sample_wanted = self._rec.recording or wanted
         self._tokens = None
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
