@@ -168,3 +168,34 @@ def test_unknown_model_names_the_loss_function(hf, tmp_path):
                                              num_hidden_layers=1, num_attention_heads=2,
                                              intermediate_size=32))
     assert per_sample_losses(model, torch.zeros(2, 3, VOCAB), torch.zeros(2, 3)) is None
+
+
+def test_close_with_the_error_marks_the_run_interrupted(hf, tmp_path):
+    from deepscope.integrations import INTERRUPTED
+    from deepscope.integrations.transformers import DeepscopeCallback
+    calls = []
+
+    def failing(outputs, labels, num_items_in_batch=None):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom in the loss")
+        return _hand_losses(outputs, labels)
+
+    torch.manual_seed(0)
+    model = _bert(hf)
+    callback = DeepscopeCallback(tmp_path, "crash", **SCOPE)
+    args = hf.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=STEPS,
+                                per_device_train_batch_size=BATCH, report_to="none",
+                                save_strategy="no", logging_strategy="no", use_cpu=True,
+                                disable_tqdm=True)
+    trainer = hf.Trainer(model=model, args=args, train_dataset=_data("bert", 1),
+                         optimizers=_optimizer(model), callbacks=[callback],
+                         compute_loss_func=callback.loss_function(failing))
+    try:
+        trainer.train()
+    except RuntimeError as error:
+        callback.close(error)
+    with deepscope.open_run(tmp_path / "crash") as run:
+        assert run.notes().text.tolist() == [f"{INTERRUPTED}: RuntimeError: boom in the loss"]
+        assert run.kpis("loss").step.tolist() == [0, 1]
+        assert run.steps() == [0]

@@ -13,9 +13,9 @@ import torch
 
 from ..recorder.scope import Scope
 from ..recorder.step import StepRecorder
+from . import close_run
 
 PER_SAMPLE_KEY = "per_sample_loss"  # the key of training_step's returned dict we read
-INTERRUPTED = "interrupted"  # the note that marks a run whose training raised
 
 
 class LightningHooks:
@@ -103,7 +103,7 @@ class LightningHooks:
             self._logged["grad_norm_clipped"] = _grad_norm(trainer.optimizers[0])
         for name, value in self._logged.items():
             self._rec.kpi(name, value)
-        self._close_step(None)
+        self._close_step()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._finish(pl_module, exception)
@@ -141,30 +141,18 @@ class LightningHooks:
                 object.__setattr__(obj, attr, before)
         self._patched.clear()
 
-    def _close_step(self, error: BaseException | None) -> None:
+    def _close_step(self) -> None:
         steps, self._steps, self._rec = self._steps, None, None
         self._logged = {}
         self._per_sample = None
         if steps is not None:
-            if error is None:
-                steps.close()
-            else:  # the step's half-done data is dropped, as in a raising `with` block
-                steps.__exit__(type(error), error, error.__traceback__)
+            steps.close()
 
     def _finish(self, pl_module: Any, error: BaseException | None) -> None:
         """Close the run (once): an open step is dropped (its optimizer step never came)."""
         self._unpatch()
-        if self.scope is None or self.scope.closed:
-            return
-        self._close_step(error or _NotStepped())
-        if error is not None:
-            first_line = (str(error).splitlines() or [""])[0][:500]
-            self.scope.note(f"{INTERRUPTED}: {type(error).__name__}: {first_line}")
-        self.scope.close()
-
-
-class _NotStepped(Exception):
-    """Marks a step that fit left before its optimizer step (nothing of it is stored)."""
+        steps, self._steps, self._rec = self._steps, None, None
+        close_run(self.scope, steps, error)
 
 
 def _is_scalar(value: Any) -> bool:

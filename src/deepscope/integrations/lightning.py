@@ -5,8 +5,8 @@ For the older `pytorch_lightning` namespace use `deepscope.integrations.pytorch_
 
 from __future__ import annotations
 
-from . import require
-from ._lightning_hooks import INTERRUPTED, PER_SAMPLE_KEY, LightningHooks
+from . import INTERRUPTED, require
+from ._lightning_hooks import PER_SAMPLE_KEY, LightningHooks
 
 _pl = require("lightning.pytorch", "lightning")
 

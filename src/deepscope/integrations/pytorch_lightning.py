@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from . import require
-from ._lightning_hooks import INTERRUPTED, PER_SAMPLE_KEY, LightningHooks
+from . import INTERRUPTED, require
+from ._lightning_hooks import PER_SAMPLE_KEY, LightningHooks
 
 _pl = require("pytorch_lightning", "lightning")
 

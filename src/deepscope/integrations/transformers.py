@@ -20,7 +20,7 @@ from torch import nn
 from ..hookstate import hooks_paused
 from ..recorder.scope import Scope
 from ..recorder.step import StepRecorder
-from . import require
+from . import close_run, require
 
 _hf = require("transformers", "transformers")
 _auto = require("transformers.models.auto.modeling_auto", "transformers")
@@ -163,16 +163,14 @@ class DeepscopeCallback(_hf.TrainerCallback):
         rec.loss(loss, per_sample=per_sample)
 
     # --- end ---------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Close the run (on_train_end does); an open step is dropped. Idempotent."""
+    def close(self, error: BaseException | None = None) -> None:
+        """Close the run (on_train_end does): an open step is dropped; with the `error`
+        that stopped `train()`, the run gets the note "interrupted: ...". Idempotent."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
         steps, self._steps, self._rec = self._steps, None, None
-        if steps is not None:  # train() ended inside a step: its optimizer step never came
-            steps.__exit__(RuntimeError, RuntimeError("training ended inside the step"), None)
-        if self.scope is not None:
-            self.scope.close()
+        close_run(self.scope, steps, error)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
