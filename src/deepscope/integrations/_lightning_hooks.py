@@ -4,21 +4,18 @@ namespaces (`lightning.pytorch` and `pytorch_lightning`) subclass it with their 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..recorder.scope import Scope
-from ..recorder.step import StepRecorder
-from . import close_run
+from . import CallbackRecorder
 
 PER_SAMPLE_KEY = "per_sample_loss"  # the key of training_step's returned dict we read
 
 
-class LightningHooks:
+class LightningHooks(CallbackRecorder):
     """Records a Lightning `Trainer.fit` into `path/run/`: one deepscope step per optimizer
     step (its `accumulate_grad_batches` micro-batches are that step's `rec.loss` calls).
 
@@ -34,18 +31,8 @@ class LightningHooks:
     An exception in training closes the run with a note "interrupted: <error>".
     """
 
-    def __init__(self, path: str | Path = "runs", run: str = "run", *, schedule: Any = None,
-                 instruments: Any = None, activations: bool = False,
-                 **scope_options: Any) -> None:
-        super().__init__()
-        self.path = path
-        self.run = run
-        self.activations = activations
-        self._scope_options = dict(schedule=schedule, instruments=instruments,
-                                   **scope_options)
-        self.scope: Scope | None = None
-        self._steps: contextlib.ExitStack | None = None
-        self._rec: StepRecorder | None = None
+    def __init__(self, path: str | Path = "runs", run: str = "run", **options: Any) -> None:
+        super().__init__(path, run, **options)
         self._opened_at = 0  # trainer.global_step when the open step began
         self._per_sample: torch.Tensor | None = None
         self._logged: dict[str, Any] = {}
@@ -55,7 +42,7 @@ class LightningHooks:
     # --- Lightning hooks --------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit" and self.scope is None:
-            self.scope = Scope(self.path, self.run, **self._scope_options)
+            self._open_scope()
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if self.scope is None:
@@ -76,9 +63,8 @@ class LightningHooks:
                              batch_idx: int) -> None:
         if self.scope is None or self._rec is not None:
             return  # not fitting, or the next micro-batch of an open step
-        self._steps = contextlib.ExitStack()
         self._opened_at = trainer.global_step
-        self._rec = self._steps.enter_context(self.scope.step(trainer.global_step))
+        self._open_step(trainer.global_step)
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         if self._rec is None:
@@ -142,17 +128,14 @@ class LightningHooks:
         self._patched.clear()
 
     def _close_step(self) -> None:
-        steps, self._steps, self._rec = self._steps, None, None
         self._logged = {}
         self._per_sample = None
-        if steps is not None:
-            steps.close()
+        self._end_step()
 
     def _finish(self, pl_module: Any, error: BaseException | None) -> None:
         """Close the run (once): an open step is dropped (its optimizer step never came)."""
         self._unpatch()
-        steps, self._steps, self._rec = self._steps, None, None
-        close_run(self.scope, steps, error)
+        self._close_run(error)
 
 
 def _is_scalar(value: Any) -> bool:

@@ -8,7 +8,6 @@ sequence classification (per example, for every problem_type); for any other los
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,9 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..hookstate import hooks_paused
-from ..recorder.scope import Scope
-from ..recorder.step import StepRecorder
-from . import close_run, require
+from . import CallbackRecorder, require
 
 _hf = require("transformers", "transformers")
 _auto = require("transformers.models.auto.modeling_auto", "transformers")
@@ -61,7 +58,7 @@ def per_sample_losses(model: nn.Module, logits: torch.Tensor,
     return None
 
 
-class DeepscopeCallback(_hf.TrainerCallback):
+class DeepscopeCallback(CallbackRecorder, _hf.TrainerCallback):
     """Records a Hugging Face `Trainer.train()` into `path/run/`: one deepscope step per
     optimizer step (its `gradient_accumulation_steps` micro-batches are that step's
     `rec.loss` calls), instruments on the unwrapped model with the Trainer's optimizer.
@@ -76,18 +73,9 @@ class DeepscopeCallback(_hf.TrainerCallback):
     activations: also record every module's output (see `Scope.watch`).
     """
 
-    def __init__(self, path: str | Path = "runs", run: str = "run", *, schedule: Any = None,
-                 instruments: Any = None, activations: bool = False,
-                 **scope_options: Any) -> None:
-        self.path = path
-        self.run = run
-        self.activations = activations
-        self._scope_options = dict(schedule=schedule, instruments=instruments,
-                                   **scope_options)
-        self.scope: Scope | None = None
+    def __init__(self, path: str | Path = "runs", run: str = "run", **options: Any) -> None:
+        super().__init__(path, run, **options)
         self.model: nn.Module | None = None
-        self._steps: contextlib.ExitStack | None = None
-        self._rec: StepRecorder | None = None
         self._per_sample_wanted = False  # recorded or instrumented: compute per-sample losses
         self._tokens: torch.Tensor | None = None
         self._hook: Any = None
@@ -99,8 +87,7 @@ class DeepscopeCallback(_hf.TrainerCallback):
             return
         model = _unwrap(model)
         optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
-        self.scope = Scope(self.path, self.run, **self._scope_options)
-        self.scope.watch(model, activations=self.activations,
+        self._open_scope().watch(model, activations=self.activations,
                          optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer)
                          else None)
         self.model = model
@@ -111,9 +98,7 @@ class DeepscopeCallback(_hf.TrainerCallback):
             return
         inst = self.scope.instruments  # asked before the step starts (α's end step)
         wanted = inst is not None and bool(inst.wants(state.global_step, "default"))
-        self._steps = contextlib.ExitStack()
-        self._rec = self._steps.enter_context(self.scope.step(state.global_step))
-        self._per_sample_wanted = self._rec.recording or wanted
+        self._per_sample_wanted = self._open_step(state.global_step).recording or wanted
         self._tokens = None
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -122,8 +107,7 @@ class DeepscopeCallback(_hf.TrainerCallback):
             return
         if self._tokens is not None:
             self._rec.kpi(TOKENS_KPI, self._tokens)
-        steps, self._steps, self._rec = self._steps, None, None
-        steps.close()
+        self._end_step()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.close()
@@ -169,8 +153,7 @@ class DeepscopeCallback(_hf.TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        steps, self._steps, self._rec = self._steps, None, None
-        close_run(self.scope, steps, error)
+        self._close_run(error)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
