@@ -41,7 +41,7 @@ class LightningHooks(CallbackRecorder):
 
     # --- Lightning hooks --------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if stage == "fit" and self.scope is None:
+        if stage == "fit" and (self.scope is None or self.scope.closed):
             self._open_scope()
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:

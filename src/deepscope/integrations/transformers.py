@@ -83,7 +83,7 @@ class DeepscopeCallback(CallbackRecorder, _hf.TrainerCallback):
     # --- Trainer events -----------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module = None,
                        optimizer: Any = None, **kwargs: Any) -> None:
-        if self.scope is not None:
+        if self.scope is not None and not self.scope.closed:
             return
         model = _unwrap(model)
         optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
