@@ -3,6 +3,7 @@
     import deepscope.notebook
     deepscope.notebook.show("runs/baseline")       # the GUI, inline (served in the background)
     deepscope.notebook.dashboard("runs/baseline")  # the static instrument dashboard, an image
+    deepscope.notebook.history("runs/baseline", "fc1.weight", "norm", direction="grad")
     deepscope.notebook.stop()                      # stop the background servers
 
 The GUI is served on 127.0.0.1 (a free port) by a thread of the kernel; showing the same
@@ -19,7 +20,7 @@ from typing import Any
 from .integrations import require
 from .query.run import Run
 
-__all__ = ["dashboard", "show", "stop", "url"]
+__all__ = ["dashboard", "history", "show", "stop", "url"]
 
 _servers: dict[Path, tuple[Any, threading.Thread]] = {}
 _lock = threading.Lock()
@@ -67,6 +68,38 @@ def dashboard(path_or_run: str | Path | Run, step: int | None = None, *, dpi: in
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=dpi)
     display.display(display.Image(data=buffer.getvalue(), format="png"))
+
+
+def history(path_or_run: str | Path | Run, name: str, statistic: str = "mean", *,
+            direction: str = "forward", iteration: int = 0) -> Any:
+    """A plotly figure of one statistic of tensor `name` over the recorded steps, or of the
+    KPI `name` over every step (`statistic` and `direction` are then unused); returned, so
+    it displays inline as the cell's value."""
+    require("plotly", "notebook")
+    import plotly.graph_objects as go
+
+    run = path_or_run if isinstance(path_or_run, Run) else Run(path_or_run)
+    try:
+        kpi = run.kpis(name)
+        if len(kpi):
+            x, y, title = kpi.step, kpi.value, f"{run.name}: {name}"
+        else:
+            table = run.stats(name, direction=direction, statistic=statistic,
+                              iteration=iteration)
+            if not len(table):
+                tensors = sorted(set(run.tensors().name))
+                raise ValueError(f"run {run.name!r} has no KPI {name!r} and no {direction} "
+                                 f"records of a tensor {name!r}; tensors: "
+                                 f"{', '.join(tensors[:20]) or 'none'}")
+            x, y = table.step, table.value
+            title = f"{run.name}: {statistic} of {name} ({direction})"
+    finally:
+        if run is not path_or_run:
+            run.close()
+    fig = go.Figure(go.Scatter(x=x, y=y, mode="lines+markers", name=name))
+    fig.update_layout(title=title, xaxis_title="step", height=360,
+                      margin={"l": 50, "r": 20, "t": 50, "b": 40})
+    return fig
 
 
 def stop() -> None:
