@@ -1,0 +1,81 @@
+"""Callbacks that record training run by a framework's loop into a deepscope run.
+
+- `deepscope.integrations.lightning.DeepscopeCallback`: a `lightning` Callback
+  (`deepscope.integrations.pytorch_lightning` for the `pytorch_lightning` namespace).
+- `deepscope.integrations.transformers.DeepscopeCallback`: a Hugging Face TrainerCallback.
+
+Each module imports its framework when it is imported; `import deepscope` imports none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from ..recorder.scope import Scope
+from ..recorder.step import StepRecorder
+
+INTERRUPTED = "interrupted"  # the note that marks a run whose training raised
+
+
+def require(module: str, extra: str) -> ModuleType:
+    """Import `module`, or raise ImportError in one line naming the pip command."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"this needs the {module.split('.')[0]} package: "
+                          f"pip install 'deepscope[{extra}]'") from None
+
+
+class StepLeftOpen(Exception):
+    """Ends a step that training left before its optimizer step (nothing of it is stored)."""
+
+
+class CallbackRecorder:
+    """What the callbacks share: the `Scope` they open, and a step kept open across the
+    micro-batches of one optimizer step (a `with scope.step(n)` spread over hooks)."""
+
+    def __init__(self, path: str | Path = "runs", run: str = "run", *, schedule: Any = None,
+                 instruments: Any = None, activations: bool = False,
+                 **scope_options: Any) -> None:
+        super().__init__()
+        self.path = path
+        self.run = run
+        self.activations = activations
+        self._scope_options = dict(schedule=schedule, instruments=instruments,
+                                   **scope_options)
+        self.scope: Scope | None = None
+        self._steps: contextlib.ExitStack | None = None
+        self._rec: StepRecorder | None = None
+
+    def _open_scope(self) -> Scope:
+        self.scope = Scope(self.path, self.run, **self._scope_options)
+        return self.scope
+
+    def _open_step(self, step: int) -> StepRecorder:
+        self._steps = contextlib.ExitStack()
+        self._rec = self._steps.enter_context(self.scope.step(step))
+        return self._rec
+
+    def _end_step(self) -> None:
+        steps, self._steps, self._rec = self._steps, None, None
+        if steps is not None:
+            steps.close()
+
+    def _close_run(self, error: BaseException | None) -> None:
+        """Drop the open step, note "interrupted: <ErrorType>: <message>" if training raised
+        `error`, close the scope. Idempotent."""
+        steps, self._steps, self._rec = self._steps, None, None
+        if steps is not None:  # its half-done data is dropped, as in a raising `with` block
+            reason = error or StepLeftOpen("training ended inside the step")
+            steps.__exit__(type(reason), reason, reason.__traceback__)
+        scope = self.scope
+        if scope is None or scope.closed:
+            return
+        if error is not None:
+            first_line = (str(error).splitlines() or [""])[0][:500]
+            scope.note(f"{INTERRUPTED}: {type(error).__name__}: {first_line}")
+        scope.close()
