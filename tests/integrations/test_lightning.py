@@ -9,14 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import deepscope
-from deepscope.recorder.step import StepRecorder
 
 STEPS, BATCH, CLIP = 6, 4, 0.6
-# Gradient accumulation in one scope.step (one rec.loss per micro-batch) is being finished
-# on another branch; until it is merged, k=2 runs only where the recorder supports it.
-ACCUMULATION = [1, pytest.param(2, marks=pytest.mark.skipif(
-    not hasattr(StepRecorder, "_next_micro_batch"),
-    reason="rec.loss per micro-batch (gradient accumulation) not in this recorder yet"))]
+ACCUMULATION = [1, 2]  # micro-batches per optimizer step (accumulate_grad_batches)
 SCOPE = dict(schedule=3, instruments="economy", instrument_schedule=1)
 
 

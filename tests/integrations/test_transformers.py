@@ -12,16 +12,10 @@ import torch
 import torch.nn.functional as F
 
 import deepscope
-from deepscope.recorder.step import StepRecorder
 
 STEPS, BATCH, SEQ, VOCAB, CLIP = 3, 4, 8, 40, 1.0
 # instruments every 2nd step: step 1 is instrumented only as α's end point of step 0
 SCOPE = dict(schedule=2, instruments="economy", instrument_schedule=2)
-# rec.loss per micro-batch and losses divided by a token count (sum / k) are being finished
-# on another branch; until then only the plain mean loss with one micro-batch runs here.
-ACCUMULATING = hasattr(StepRecorder, "_next_micro_batch")
-needs_accumulation = pytest.mark.skipif(
-    not ACCUMULATING, reason="rec.loss per micro-batch / sum÷k losses not in this recorder yet")
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +129,9 @@ def _assert_same_run(a_path, b_path, rtol: float) -> None:
 
 
 @pytest.mark.parametrize("task, k", [
-    pytest.param("gpt2", 2, marks=needs_accumulation),
+    ("gpt2", 2),
     ("bert", 1),
-    pytest.param("bert", 2, marks=needs_accumulation)])
+    ("bert", 2)])
 def test_callback_equals_hand_written_loop(hf, tmp_path, task, k):
     torch.manual_seed(0)
     model = _gpt2(hf) if task == "gpt2" else _bert(hf)
