@@ -7,3 +7,9 @@ class DeepscopeError(Exception):
 
 class CorruptRunError(DeepscopeError, ValueError):
     """A stored run cannot be read: truncated, foreign, or from an unknown schema version."""
+
+
+class DeepscopeWarning(UserWarning):
+    """Something about a recording the user may want to change (an instrument that cannot be
+    exact for a module, a missing rec.loss, a costly estimator replaced): each distinct one is
+    warned once per run and stored in it (`Run.warnings()`)."""

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
+import time
 from collections.abc import Callable, Sequence
 from functools import cached_property, reduce
 from operator import add
@@ -29,7 +31,7 @@ from torch import Tensor, nn
 
 from ..hookstate import paused
 from .alpha import AlphaStart, fit_alpha, line_point
-from .base import TOTAL, QuantityValue
+from .base import TOTAL, InstrumentWarning, QuantityValue
 from .config import (
     NEEDS_DIAGONAL,
     NEEDS_ENGINE,
@@ -39,11 +41,13 @@ from .config import (
     check_curvature_mode,
     resolve_quantities,
 )
-from .curvature import HessianOperator
+from .curvature import Estimate, HessianOperator
 from .engine import PerSampleEngine
 from .histograms import Bins, GradHistogram, Histogram, finite_abs_max, symmetric_bins
 from .quantities import (
+    EXACT_MAX_DIM,
     cabs,
+    choose_diagonal,
     early_stopping,
     hess_max_ev,
     hess_trace,
@@ -67,6 +71,12 @@ HUTCHINSON_SAMPLES = 2
 LANCZOS_ITER = 10
 CPU_PLAIN_HVP_DIM = 2**16  # from this many parameters on, HVPs one at a time on CPU
 NO_LOSS = "loss() was not called in this step; call rec.loss(loss, per_sample=losses)"
+NO_LOSS_WARNING = ("an instrumented step had no rec.loss(...): its quantities (all but Distance "
+                   "and UpdateSize) are missing; call rec.loss(loss, per_sample=losses) inside "
+                   "every instrumented step")
+LOSS_FREE = frozenset({"Distance", "UpdateSize"})  # the quantities that need no loss
+# The engine names what a warning is about first: "Linear '0': ..." or "parameter 'w': ...".
+_ENGINE_LOCATION = re.compile(r"((?:parameter|[A-Za-z_][\w.]*) '[^']*'): (.+)", re.S)
 # An update this close to −ḡ in direction (1 + cosine) is a plain SGD step, and α projects
 # on −ḡ/‖ḡ‖ (as Cockpit does): storing θ in float32 rounds the realised update, typically to
 # 1 + cosine ~ 1e-6, a direction error of ~1e-3 that is round-off, not optimiser behaviour.
@@ -92,6 +102,18 @@ def _describe(error: BaseException) -> str:
     kind = next(c.__name__ for c in type(error).__mro__ if not c.__name__.startswith("_"))
     text = str(error).splitlines()[0] if str(error) else ""
     return f"{kind}: {text}" if text else kind
+
+
+def _hvp_seconds(op: HessianOperator, repeats: int = 3) -> float:
+    """Seconds of one Hessian-vector product: the fastest of `repeats` timed ones, after one
+    untimed (its first pass pays one-off costs; a busy machine only slows some)."""
+    v = torch.ones(op.dim, dtype=op.dtype, device=op.device)
+    times = []
+    for _ in range(repeats + 1):
+        began = time.perf_counter()
+        op.matvec(v).sum().item()  # waits for the device: the product's time, not its launch
+        times.append(time.perf_counter() - began)
+    return min(times[1:])
 
 
 class _Batch:
@@ -193,8 +215,10 @@ class Instruments:
         hist_bins, hist_range: GradHist1d bins on (lo, hi), or hist_range="adaptive" for a
             symmetric range from each step's largest finite |gᵢ,ₐ| (costs a second pass).
         seed: base seed of the curvature estimators (step t uses seed + t).
-        curvature: Hessian diagonal for HessTrace / TIC: "auto" (exact when the model has
-            at most 5000 parameters, else Hutchinson), "exact" or "hutchinson".
+        curvature: Hessian diagonal for HessTrace / TIC: "auto" (exact when its D HVPs cost
+            at most 10 training steps or 0.1 s, measured at the first curvature step, and
+            D <= 5000; else Hutchinson, with a warning; see `choose_diagonal`), "exact" or
+            "hutchinson". The choice and why are in each value's meta["choice"].
         hutchinson_samples: Rademacher probes (HVPs) per step for a Hutchinson diagonal.
         lanczos_iter: Lanczos iterations (HVPs) per step for HessMaxEV.
         hist2d_per_layer: also store GradHist2d per parameter tensor (40×50 counts each).
@@ -265,6 +289,10 @@ class Instruments:
         self._names = list(self._params)
         self._engine = PerSampleEngine(model) if set(self.quantities) & NEEDS_ENGINE else None
         self._warnings: list[str] = []
+        self._new_warnings: list[InstrumentWarning] = []  # not yet taken by take_warnings()
+        self._engine_warnings_taken = 0
+        self._auto_diagonal: tuple[str, str] | None = None  # "auto"'s (estimator, why)
+        self._started_at = 0.0  # perf_counter() at start(): times the user's forward
         self._theta0: list[Tensor] | None = None
         self._pending: AlphaStart | None = None  # α start point waiting for the next step
         self._hvp_batched: bool | None = None  # vmapped HVPs verified on this model
@@ -293,6 +321,34 @@ class Instruments:
         engine = self._engine.warnings if self._engine is not None else []
         return [*self._warnings, *engine]
 
+    def _warn(self, message: str, quantities: frozenset[str] | None = None) -> None:
+        """Note a warning about the whole model (once); `quantities`: those it affects
+        (default: every chosen one)."""
+        if message in self._warnings:
+            return
+        self._warnings.append(message)
+        affected = tuple(q for q in self.quantities if quantities is None or q in quantities)
+        self._new_warnings.append(InstrumentWarning(self._step, "", affected, message))
+
+    def take_warnings(self, step: int | None = None) -> list[InstrumentWarning]:
+        """The warnings that appeared since the last call, each distinct one once.
+
+        The recorder calls it after every instrumented step and hands them to the user
+        (a Python warning) and to the run. Warnings of the per-sample engine (a module whose
+        per-sample gradients cannot be exact, ...) are dated `step` and affect the
+        quantities built on per-sample gradients.
+        """
+        out, self._new_warnings = self._new_warnings, []
+        if self._engine is not None:
+            fresh = self._engine.warnings[self._engine_warnings_taken:]
+            self._engine_warnings_taken += len(fresh)
+            affected = tuple(q for q in self.quantities if q in NEEDS_ENGINE)
+            for text in fresh:
+                match = _ENGINE_LOCATION.fullmatch(text)
+                location, message = match.groups() if match else ("", text)
+                out.append(InstrumentWarning(step, location, affected, message))
+        return out
+
     def _due_at(self, step: int, kind: str) -> frozenset[str]:
         return frozenset(
             q for q in self.quantities if self.schedules.get(q, self.schedule)(step, kind)
@@ -307,10 +363,11 @@ class Instruments:
     def start(self, step: int, kind: str) -> None:
         """Begin step `step` before the user's forward: snapshot θₜ and turn hooks on."""
         if self._step is not None:
-            self._warnings.append(
+            self._warn(
                 f"start({step}) came before finish() of step {self._step}; that step was dropped"
             )
             self.abort()
+        self._started_at = time.perf_counter()
         self._due = self._due_at(step, kind)
         self._step = step
         self._alpha_end, self._pending = self._pending, None
@@ -360,9 +417,11 @@ class Instruments:
         if self._engine_on:
             self._engine.set_scale(scale)
         if self._due & NEEDS_HESSIAN:
+            # the forward's time (_reduce synchronised with the device): "auto"'s yardstick
+            forward_s = time.perf_counter() - self._started_at
             # H of the mean loss L = loss · scale / B, whatever the user's reduction
             batch = self._losses.shape[0]
-            self._run_curvature(loss if scale == batch else loss * (scale / batch))
+            self._run_curvature(loss if scale == batch else loss * (scale / batch), forward_s)
 
     def finish(self) -> list[QuantityValue]:
         """Compute every due quantity after the user's backward and optimiser step.
@@ -426,7 +485,7 @@ class Instruments:
             "per_sample; pass loss = per_sample.mean() or per_sample.sum()"
         )
 
-    def _run_curvature(self, mean_loss: Tensor) -> None:
+    def _run_curvature(self, mean_loss: Tensor, forward_s: float) -> None:
         due = self._due & NEEDS_HESSIAN
         seed = (self.seed + self._step) % 2**31  # fresh probes each step, reproducibly
         params = list(self._params.values())
@@ -440,12 +499,12 @@ class Instruments:
                                            batched=self._hvp_batched) as op:
                 if due & NEEDS_DIAGONAL:
                     try:
-                        diagonal = hessian_diagonal(op, self.curvature, self.hutchinson_samples,
-                                                    seed)
+                        diagonal, choice = self._diagonal(op, seed, forward_s)
                         self._curvature["diagonal"] = op.split(diagonal.value)
                         self._curvature["traces"] = hess_trace(op, diagonal.value)
                         self._curvature["diagonal_meta"] = {
-                            "estimator": diagonal.estimator, "samples": diagonal.samples}
+                            "estimator": diagonal.estimator, "samples": diagonal.samples,
+                            **({"choice": choice} if choice else {})}
                     except Exception as error:
                         self._failed.update(dict.fromkeys(due & NEEDS_DIAGONAL, _describe(error)))
                 if "HessMaxEV" in due:
@@ -456,6 +515,25 @@ class Instruments:
                 self._hvp_batched = op.batched  # checked once per model, not every step
         except Exception as error:  # e.g. the operator cannot be built
             self._failed.update(dict.fromkeys(due, _describe(error)))
+
+    def _diagonal(self, op: HessianOperator, seed: int, forward_s: float) -> tuple[Estimate, str]:
+        """diag(H) by the configured estimator; "auto" decides at its first step, by the
+        measured cost of an HVP against the training step (see `choose_diagonal`), and
+        says why (a warning when it settles for Hutchinson)."""
+        samples = self.hutchinson_samples
+        if self.curvature != "auto":
+            return hessian_diagonal(op, self.curvature, samples, seed), ""
+        if self._auto_diagonal is not None:
+            mode, why = self._auto_diagonal
+            return hessian_diagonal(op, mode, samples, seed), why
+        hvp_s = _hvp_seconds(op) if op.dim <= EXACT_MAX_DIM else math.nan
+        mode, why = choose_diagonal(op.dim, samples, hvp_s, forward_s)
+        self._auto_diagonal = mode, why
+        if mode == "hutchinson":
+            self._warn(why + "; HessTrace and TIC are estimates: pass curvature='exact' "
+                       "(instrument_options={'curvature': 'exact'}) to force the exact "
+                       "diagonal", NEEDS_DIAGONAL)
+        return hessian_diagonal(op, mode, samples, seed), why
 
     def _missing(self, name: str, step: int, reason: str, layer: str = TOTAL) -> QuantityValue:
         return QuantityValue(name, step, layer, meta={"reason": reason})
@@ -517,8 +595,11 @@ class Instruments:
             with contextlib.suppress(Exception):
                 self._want_dots(batch, update)
 
+        if self._loss is None and due - LOSS_FREE:
+            self._warn(NO_LOSS_WARNING, frozenset(self.quantities) - LOSS_FREE)
+
         def attempt(name: str, compute: Callable[[], list[QuantityValue]]) -> None:
-            if self._loss is None and name not in ("Distance", "UpdateSize"):
+            if self._loss is None and name not in LOSS_FREE:
                 out.append(self._missing(name, step, NO_LOSS))
                 return
             if name in self._failed:

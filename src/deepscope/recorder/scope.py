@@ -8,6 +8,7 @@ import shutil
 import sys
 import time
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from ..anomalies.monitor import HealthMonitor
+from ..errors import DeepscopeWarning
 from ..hookstate import hooks_paused
 from ..naming import named_leaves
 from ..store.layout import check_run_name, rank_file, rank_files
@@ -247,6 +249,7 @@ class Scope:
             quantities = self._guard(self.instruments.finish) or []
             if quantities is _FAILED:
                 quantities = []
+            self._guard(self._send_warnings, rec.step)
         if rec.recording and rec._keep():
             payload = self._guard(rec._payload)
             if payload is not _FAILED:
@@ -271,6 +274,15 @@ class Scope:
         if self._on_anomaly is not None:
             for f in findings:
                 self._on_anomaly(f)
+
+    def _send_warnings(self, step: int) -> None:
+        """Each new instrument warning: a Python warning pointing at the user's
+        `with scope.step(...)` line, and a record in the run (`Run.warnings()`)."""
+        found = self.instruments.take_warnings(step)
+        for w in found:
+            # stacklevel 5: here, _guard, _exit, StepRecorder.__exit__, the user's `with`
+            warnings.warn(f"deepscope: {w.text()}", DeepscopeWarning, stacklevel=5)
+        self.writer.submit_warnings(found)
 
     def _activation_hook(self, path: str, is_root: bool) -> Callable:
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..instruments.base import QuantityValue
+from ..instruments.base import InstrumentWarning, QuantityValue
 from . import arrays, codecs
 from .schema import APPLICATION_ID, DDL, SCHEMA_VERSION, STAT_COLUMNS
 
@@ -103,6 +103,11 @@ class _Quantities:
 @dataclass
 class _Anomalies:
     rows: list[tuple[int, str, str, float | None, float | None, str]]
+
+
+@dataclass
+class _Warnings:
+    warnings: list[InstrumentWarning]
 
 
 _STOP = object()
@@ -199,6 +204,11 @@ class StoreWriter:
         if not self.failed and rows:
             self._queue.put(_Anomalies(rows))
 
+    def submit_warnings(self, warnings: list[InstrumentWarning]) -> None:
+        """Store recording warnings (the caller sends each distinct one once)."""
+        if not self.failed and warnings:
+            self._queue.put(_Warnings(warnings))
+
     def flush(self) -> None:
         """Block until everything queued so far is committed (or the writer failed)."""
         if self._thread.is_alive():
@@ -250,6 +260,8 @@ class StoreWriter:
                 self._write_quantities(item.values)
             elif isinstance(item, _Anomalies):
                 self._write_anomalies(item.rows)
+            elif isinstance(item, _Warnings):
+                self._write_warnings(item.warnings)
             con.execute("COMMIT")
         except BaseException:
             if con.in_transaction:  # SQLite itself rolls back on SQLITE_FULL / IOERR
@@ -330,6 +342,14 @@ class StoreWriter:
                 dtype, shape, data = arrays.encode(np.asarray(q.array))
                 con.execute("INSERT OR REPLACE INTO quantity_arrays VALUES (?, ?, ?, ?, ?, ?)",
                             (q.name, q.layer, q.step, dtype, shape, data))
+
+    def _write_warnings(self, warnings: list[InstrumentWarning]) -> None:
+        # once per run, also across a resume: a resumed run warns again but stores nothing new
+        self._con.executemany(
+            "INSERT INTO warnings (step, location, quantities, message) SELECT ?, ?, ?, ? "
+            "WHERE NOT EXISTS (SELECT 1 FROM warnings WHERE location = ? AND message = ?)",
+            [(w.step, w.location, json.dumps(list(w.quantities)), w.message, w.location,
+              w.message) for w in warnings])
 
     def _write_anomalies(self, rows: list[tuple]) -> None:
         self._con.executemany(

@@ -25,6 +25,11 @@ from ..curvature import (
 from .norms import with_total
 
 EXACT_MAX_DIM = 5000  # "auto" takes the exact diagonal (D HVPs) up to this many parameters
+# Instruments' "auto" takes the exact diagonal only when its D HVPs cost at most this many
+# training steps, or at most AUTO_FLOOR_S seconds (a tiny model's step is too short to time).
+AUTO_STEP_FACTOR = 10
+AUTO_FLOOR_S = 0.1
+FORWARD_SHARE = 3  # a training step (forward, backward at ~2 forwards) ≈ 3 forwards
 TIC_EPS = 1e-7
 TIC_CHUNK = 1 << 20  # elements per pass of tic_diag: its two float64 buffers stay at 16 MiB
 
@@ -47,6 +52,48 @@ def hessian_diagonal(
     if mode == "exact" or (mode == "auto" and op.dim <= exact_max_dim):
         return exact_diagonal(op, max_dim=op.dim)
     return hutchinson_diagonal(op, samples=samples, seed=seed)
+
+
+def choose_diagonal(
+    dim: int, samples: int, hvp_s: float, forward_s: float, exact_max_dim: int = EXACT_MAX_DIM
+) -> tuple[str, str]:
+    """The estimator "auto" takes for diag(H), by cost, and why (one line).
+
+    The exact diagonal costs `dim` HVPs, Hutchinson's `samples`. Exact is taken when
+    dim <= exact_max_dim and its projected time, dim · hvp_s, is at most
+    max(AUTO_STEP_FACTOR training steps, AUTO_FLOOR_S); a training step is estimated as
+    FORWARD_SHARE forwards.
+
+    Args:
+        dim: D, the number of parameter elements.
+        samples: Hutchinson's probes (HVPs) per step.
+        hvp_s: measured seconds of one HVP (unused, may be NaN, when dim > exact_max_dim).
+        forward_s: measured seconds of the user's forward pass at this step.
+    Returns:
+        ("exact" | "hutchinson", why).
+    """
+    step_s = FORWARD_SHARE * forward_s
+    cost = f"D={dim} HVPs, about {_seconds(dim * hvp_s)} per step ({_seconds(hvp_s)} each)"
+    budget = max(AUTO_STEP_FACTOR * step_s, AUTO_FLOOR_S)
+    limit = (f"{AUTO_STEP_FACTOR}× a training step (about {_seconds(step_s)}) or "
+             f"{_seconds(AUTO_FLOOR_S)}")
+    if dim <= samples:
+        return "exact", f"curvature='auto' chose the exact Hessian diagonal: {cost}, no more " \
+                        f"than Hutchinson's {samples}"
+    if dim > exact_max_dim:
+        return "hutchinson", (f"curvature='auto' chose Hutchinson's estimator ({samples} HVPs "
+                              f"per step) for the Hessian diagonal: the exact one needs D={dim} "
+                              f"HVPs, more than {exact_max_dim}")
+    if dim * hvp_s <= budget:
+        return "exact", f"curvature='auto' chose the exact Hessian diagonal: {cost}, within " \
+                        f"{limit}"
+    return "hutchinson", (f"curvature='auto' chose Hutchinson's estimator ({samples} HVPs per "
+                          f"step) for the Hessian diagonal: the exact one needs {cost}, more "
+                          f"than {limit}")
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
 
 
 def hess_trace(op: HessianOperator, diagonal: Tensor) -> Tensor:
