@@ -41,13 +41,14 @@ from .config import (
     check_curvature_mode,
     resolve_quantities,
 )
-from .curvature import Estimate, HessianOperator
+from .curvature import Estimate, HessianOperator, OverBudget, exact_diagonal
 from .engine import PerSampleEngine
 from .histograms import Bins, GradHistogram, Histogram, finite_abs_max, symmetric_bins
 from .quantities import (
     EXACT_MAX_DIM,
     cabs,
     choose_diagonal,
+    diagonal_budget,
     early_stopping,
     hess_max_ev,
     hess_trace,
@@ -57,6 +58,7 @@ from .quantities import (
     mean_gsnr,
     norm_test,
     ortho_test,
+    over_budget,
     tic_diag,
     tic_trace,
     with_total,
@@ -517,23 +519,36 @@ class Instruments:
             self._failed.update(dict.fromkeys(due, _describe(error)))
 
     def _diagonal(self, op: HessianOperator, seed: int, forward_s: float) -> tuple[Estimate, str]:
-        """diag(H) by the configured estimator; "auto" decides at its first step, by the
-        measured cost of an HVP against the training step (see `choose_diagonal`), and
-        says why (a warning when it settles for Hutchinson)."""
+        """diag(H) by the configured estimator, and (for "auto") why.
+
+        "auto" decides at its first step by the measured cost of an HVP against the
+        training step (see `choose_diagonal`), and still stops an exact diagonal that
+        overruns its budget, then takes Hutchinson's from there on; it warns when it
+        settles for Hutchinson.
+        """
         samples = self.hutchinson_samples
         if self.curvature != "auto":
             return hessian_diagonal(op, self.curvature, samples, seed), ""
-        if self._auto_diagonal is not None:
-            mode, why = self._auto_diagonal
-            return hessian_diagonal(op, mode, samples, seed), why
-        hvp_s = _hvp_seconds(op) if op.dim <= EXACT_MAX_DIM else math.nan
-        mode, why = choose_diagonal(op.dim, samples, hvp_s, forward_s)
-        self._auto_diagonal = mode, why
-        if mode == "hutchinson":
-            self._warn(why + "; HessTrace and TIC are estimates: pass curvature='exact' "
-                       "(instrument_options={'curvature': 'exact'}) to force the exact "
-                       "diagonal", NEEDS_DIAGONAL)
-        return hessian_diagonal(op, mode, samples, seed), why
+        if self._auto_diagonal is None:
+            hvp_s = _hvp_seconds(op) if op.dim <= EXACT_MAX_DIM else math.nan
+            self._auto_diagonal = choose_diagonal(op.dim, samples, hvp_s, forward_s)
+            if self._auto_diagonal[0] == "hutchinson":
+                self._warn_estimate(self._auto_diagonal[1])
+        mode, why = self._auto_diagonal
+        if mode == "exact":
+            try:
+                return exact_diagonal(op, max_dim=op.dim,
+                                      budget_s=diagonal_budget(forward_s)), why
+            except OverBudget as over:
+                why = over_budget(op.dim, self._step, samples, over.projected_s, forward_s)
+                self._auto_diagonal = "hutchinson", why
+                self._warn_estimate(why)
+        return hessian_diagonal(op, "hutchinson", samples, seed), why
+
+    def _warn_estimate(self, why: str) -> None:
+        self._warn(why + "; HessTrace and TIC are estimates: pass curvature='exact' "
+                   "(instrument_options={'curvature': 'exact'}) to force the exact diagonal",
+                   NEEDS_DIAGONAL)
 
     def _missing(self, name: str, step: int, reason: str, layer: str = TOTAL) -> QuantityValue:
         return QuantityValue(name, step, layer, meta={"reason": reason})

@@ -12,9 +12,11 @@ Conventions shared by every function here:
 from .curvature import (
     EXACT_MAX_DIM,
     choose_diagonal,
+    diagonal_budget,
     hess_max_ev,
     hess_trace,
     hessian_diagonal,
+    over_budget,
     tic_diag,
     tic_trace,
 )
@@ -26,6 +28,7 @@ __all__ = [
     "EXACT_MAX_DIM",
     "cabs",
     "choose_diagonal",
+    "diagonal_budget",
     "early_stopping",
     "hess_max_ev",
     "hess_trace",
@@ -35,6 +38,7 @@ __all__ = [
     "mean_gsnr",
     "norm_test",
     "ortho_test",
+    "over_budget",
     "tic_diag",
     "tic_trace",
     "with_total",

@@ -54,15 +54,21 @@ def hessian_diagonal(
     return hutchinson_diagonal(op, samples=samples, seed=seed)
 
 
+def diagonal_budget(forward_s: float) -> float:
+    """Seconds "auto" lets the exact diagonal take at a step whose forward took forward_s:
+    AUTO_STEP_FACTOR training steps (each ≈ FORWARD_SHARE forwards), at least AUTO_FLOOR_S."""
+    return max(AUTO_STEP_FACTOR * FORWARD_SHARE * forward_s, AUTO_FLOOR_S)
+
+
 def choose_diagonal(
     dim: int, samples: int, hvp_s: float, forward_s: float, exact_max_dim: int = EXACT_MAX_DIM
 ) -> tuple[str, str]:
     """The estimator "auto" takes for diag(H), by cost, and why (one line).
 
     The exact diagonal costs `dim` HVPs, Hutchinson's `samples`. Exact is taken when
-    dim <= exact_max_dim and its projected time, dim · hvp_s, is at most
-    max(AUTO_STEP_FACTOR training steps, AUTO_FLOOR_S); a training step is estimated as
-    FORWARD_SHARE forwards.
+    dim <= exact_max_dim and its projected time, dim · hvp_s, is within
+    `diagonal_budget(forward_s)` (the caller also stops it when it overruns that budget:
+    see `over_budget`).
 
     Args:
         dim: D, the number of parameter elements.
@@ -72,24 +78,34 @@ def choose_diagonal(
     Returns:
         ("exact" | "hutchinson", why).
     """
-    step_s = FORWARD_SHARE * forward_s
     cost = f"D={dim} HVPs, about {_seconds(dim * hvp_s)} per step ({_seconds(hvp_s)} each)"
-    budget = max(AUTO_STEP_FACTOR * step_s, AUTO_FLOOR_S)
-    limit = (f"{AUTO_STEP_FACTOR}× a training step (about {_seconds(step_s)}) or "
-             f"{_seconds(AUTO_FLOOR_S)}")
     if dim <= samples:
         return "exact", f"curvature='auto' chose the exact Hessian diagonal: {cost}, no more " \
                         f"than Hutchinson's {samples}"
     if dim > exact_max_dim:
-        return "hutchinson", (f"curvature='auto' chose Hutchinson's estimator ({samples} HVPs "
-                              f"per step) for the Hessian diagonal: the exact one needs D={dim} "
-                              f"HVPs, more than {exact_max_dim}")
-    if dim * hvp_s <= budget:
+        return "hutchinson", (f"{_hutchinson(samples)}: the exact one needs D={dim} HVPs, more "
+                              f"than {exact_max_dim}")
+    if dim * hvp_s <= diagonal_budget(forward_s):
         return "exact", f"curvature='auto' chose the exact Hessian diagonal: {cost}, within " \
-                        f"{limit}"
-    return "hutchinson", (f"curvature='auto' chose Hutchinson's estimator ({samples} HVPs per "
-                          f"step) for the Hessian diagonal: the exact one needs {cost}, more "
-                          f"than {limit}")
+                        f"{_limit(forward_s)}"
+    return "hutchinson", f"{_hutchinson(samples)}: the exact one needs {cost}, more than " \
+                         f"{_limit(forward_s)}"
+
+
+def over_budget(dim: int, step: int, samples: int, projected_s: float, forward_s: float) -> str:
+    """Why "auto" left the exact diagonal at `step`: it overran `diagonal_budget`."""
+    return (f"{_hutchinson(samples)} from step {step} on: the exact one (D={dim} HVPs) would "
+            f"have taken about {_seconds(projected_s)}, more than {_limit(forward_s)}")
+
+
+def _hutchinson(samples: int) -> str:
+    return (f"curvature='auto' chose Hutchinson's estimator ({samples} HVPs per step) for the "
+            "Hessian diagonal")
+
+
+def _limit(forward_s: float) -> str:
+    return (f"{AUTO_STEP_FACTOR}× a training step (about {_seconds(FORWARD_SHARE * forward_s)})"
+            f" or {_seconds(AUTO_FLOOR_S)}")
 
 
 def _seconds(value: float) -> str:
