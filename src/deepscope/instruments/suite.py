@@ -106,7 +106,7 @@ def _describe(error: BaseException) -> str:
     return f"{kind}: {text}" if text else kind
 
 
-def _hvp_seconds(op: HessianOperator, repeats: int = 3) -> float:
+def _hvp_seconds(op: HessianOperator, repeats: int = 5) -> float:
     """Seconds of one Hessian-vector product: the fastest of `repeats` timed ones, after one
     untimed (its first pass pays one-off costs; a busy machine only slows some)."""
     v = torch.ones(op.dim, dtype=op.dtype, device=op.device)
