@@ -31,9 +31,10 @@ def exact_diagonal(op: HessianOperator, max_dim: int = 5000,
     Costs D HVPs, batched ``op.batch_size`` at a time in vmapped backward passes; memory
     stays O(batch_size · D) as only each block's diagonal is kept.
 
-    budget_s: seconds it may take; after each block the time of all D HVPs is projected
-        from the blocks done, and when it exceeds the budget the computation stops (it
-        then cost at most the budget plus one block).
+    budget_s: seconds it may take. Blocks then start at 2 HVPs and double up to
+        ``op.batch_size``; after each block the time of all D HVPs is projected from the
+        blocks done, and when it exceeds the budget the computation stops (having cost
+        about the budget at most, plus the last block: no more than all blocks before it).
 
     Returns:
         Estimate with a detached flat (D,) tensor (loss units per parameter unit squared),
@@ -46,7 +47,8 @@ def exact_diagonal(op: HessianOperator, max_dim: int = 5000,
     op = check_operator(op)
     diagonal = torch.empty(op.dim, dtype=op.dtype, device=op.device)
     began = time.perf_counter()
-    for start, rows in _unit_blocks(op, max_dim, "exact_diagonal"):
+    first = 2 if budget_s is not None else op.batch_size
+    for start, rows in _unit_blocks(op, max_dim, "exact_diagonal", first):
         idx = torch.arange(rows.shape[0], device=op.device)
         diagonal[start : start + rows.shape[0]] = rows[idx, start + idx]
         done = start + rows.shape[0]
@@ -70,17 +72,21 @@ def dense_hessian(op: HessianOperator, max_dim: int = 5000) -> Tensor:
     return torch.cat([rows for _, rows in _unit_blocks(op, max_dim, "dense_hessian")])
 
 
-def _unit_blocks(op: HessianOperator, max_dim: int, caller: str) -> Iterator[tuple[int, Tensor]]:
-    """Yield (start, H E) for consecutive blocks E of unit vectors e_start, e_start+1, ..."""
+def _unit_blocks(op: HessianOperator, max_dim: int, caller: str,
+                 first: int | None = None) -> Iterator[tuple[int, Tensor]]:
+    """Yield (start, H E) for consecutive blocks E of unit vectors e_start, e_start+1, ...;
+    blocks of op.batch_size, or from `first` doubling up to op.batch_size."""
     check_int("max_dim", max_dim, 1)
     if op.dim > max_dim:
         raise ValueError(
             f"{caller}: the model has D={op.dim} parameters, more than max_dim={max_dim}; "
             "pass a larger max_dim (D HVPs) or use hutchinson_diagonal(op) instead"
         )
-    for start in range(0, op.dim, op.batch_size):
-        n = min(op.batch_size, op.dim - start)
+    start, size = 0, first or op.batch_size
+    while start < op.dim:
+        n = min(size, op.batch_size, op.dim - start)
         units = torch.zeros(n, op.dim, dtype=op.dtype, device=op.device)
         idx = torch.arange(n, device=op.device)
         units[idx, start + idx] = 1
         yield start, op.matmat(units)
+        start, size = start + n, 2 * size
