@@ -24,11 +24,14 @@ def test_choice_by_cost() -> None:
     assert f"more than {AUTO_STEP_FACTOR}× a training step (about 20 ms)" in why
     # the same model on a slow step: ten steps cover the exact diagonal
     assert choose_diagonal(2314, 2, hvp_s=8.6e-3, forward_s=1.0)[0] == "exact"
-    # a tiny model: too fast to compare with its step, cheap in absolute terms
-    mode, why = choose_diagonal(27, 2, hvp_s=1e-3, forward_s=1e-5)
+    # a small model: too fast to compare with its step, cheap in absolute terms
+    mode, why = choose_diagonal(200, 2, hvp_s=4e-4, forward_s=1e-5, one_pass=64)
     assert mode == "exact" and f"or {AUTO_FLOOR_S * 1e3:.3g} ms" in why
-    # no more HVPs than Hutchinson's: exact whatever the time
-    assert choose_diagonal(2, 2, hvp_s=10.0, forward_s=1e-5)[0] == "exact"
+    assert choose_diagonal(200, 2, hvp_s=6e-4, forward_s=1e-5, one_pass=64)[0] == "hutchinson"
+    # as few batched passes as Hutchinson's: exact whatever the time (not even timed)
+    mode, why = choose_diagonal(64, 2, hvp_s=math.nan, forward_s=1e-5, one_pass=64)
+    assert mode == "exact" and "one batched backward pass" in why
+    assert choose_diagonal(2, 2, hvp_s=math.nan, forward_s=1e-5)[0] == "exact"
     # too many parameters: not even timed
     mode, why = choose_diagonal(EXACT_MAX_DIM + 1, 2, hvp_s=math.nan, forward_s=1.0)
     assert mode == "hutchinson" and f"more than {EXACT_MAX_DIM}" in why
@@ -79,10 +82,12 @@ def test_a_2k_parameter_cnn_gets_hutchinson_and_a_warning() -> None:
 def test_a_tiny_model_still_gets_the_exact_diagonal_without_warning() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))
-    # 12 HVPs: exact unless one HVP takes over 8 ms even at the best of five (~0.2 ms idle)
+    # 12 HVPs: one batched pass, like Hutchinson's two
     values, found = run_steps(model, torch.randn(8, 2), torch.randint(0, 2, (8,)), 2)
     assert [(v.meta["estimator"], v.meta["samples"]) for v in values] == [("exact", 12)] * 2
-    assert values[0].meta["choice"].startswith("curvature='auto' chose the exact")
+    assert values[0].meta["choice"] == ("curvature='auto' chose the exact Hessian diagonal: "
+                                        "its D=12 HVPs take one batched backward pass, as "
+                                        "Hutchinson's 2 do")
     assert found == []
 
 

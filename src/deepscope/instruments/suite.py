@@ -217,10 +217,11 @@ class Instruments:
         hist_bins, hist_range: GradHist1d bins on (lo, hi), or hist_range="adaptive" for a
             symmetric range from each step's largest finite |gᵢ,ₐ| (costs a second pass).
         seed: base seed of the curvature estimators (step t uses seed + t).
-        curvature: Hessian diagonal for HessTrace / TIC: "auto" (exact when its D HVPs cost
-            at most 10 training steps or 0.1 s, measured at the first curvature step, and
-            D <= 5000; else Hutchinson, with a warning; see `choose_diagonal`), "exact" or
-            "hutchinson". The choice and why are in each value's meta["choice"].
+        curvature: Hessian diagonal for HessTrace / TIC: "auto" (exact when its D HVPs fit
+            in one batched backward pass, or cost at most 10 training steps or 0.1 s,
+            measured at the first curvature step, and D <= 5000; else Hutchinson, with a
+            warning; see `choose_diagonal`), "exact" or "hutchinson". The choice and why
+            are in each value's meta["choice"].
         hutchinson_samples: Rademacher probes (HVPs) per step for a Hutchinson diagonal.
         lanczos_iter: Lanczos iterations (HVPs) per step for HessMaxEV.
         hist2d_per_layer: also store GradHist2d per parameter tensor (40×50 counts each).
@@ -530,8 +531,10 @@ class Instruments:
         if self.curvature != "auto":
             return hessian_diagonal(op, self.curvature, samples, seed), ""
         if self._auto_diagonal is None:
-            hvp_s = _hvp_seconds(op) if op.dim <= EXACT_MAX_DIM else math.nan
-            self._auto_diagonal = choose_diagonal(op.dim, samples, hvp_s, forward_s)
+            timed = max(samples, op.batch_size) < op.dim <= EXACT_MAX_DIM
+            hvp_s = _hvp_seconds(op) if timed else math.nan
+            self._auto_diagonal = choose_diagonal(op.dim, samples, hvp_s, forward_s,
+                                                  one_pass=op.batch_size)
             if self._auto_diagonal[0] == "hutchinson":
                 self._warn_estimate(self._auto_diagonal[1])
         mode, why = self._auto_diagonal

@@ -61,27 +61,30 @@ def diagonal_budget(forward_s: float) -> float:
 
 
 def choose_diagonal(
-    dim: int, samples: int, hvp_s: float, forward_s: float, exact_max_dim: int = EXACT_MAX_DIM
+    dim: int, samples: int, hvp_s: float, forward_s: float, exact_max_dim: int = EXACT_MAX_DIM,
+    one_pass: int = 1,
 ) -> tuple[str, str]:
     """The estimator "auto" takes for diag(H), by cost, and why (one line).
 
-    The exact diagonal costs `dim` HVPs, Hutchinson's `samples`. Exact is taken when
-    dim <= exact_max_dim and its projected time, dim · hvp_s, is within
-    `diagonal_budget(forward_s)` (the caller also stops it when it overruns that budget:
-    see `over_budget`).
+    The exact diagonal costs `dim` HVPs, Hutchinson's `samples`. Exact is taken, by count,
+    when its HVPs fit in as few batched backward passes as Hutchinson's (dim <=
+    max(samples, one_pass)); else, by time, when dim <= exact_max_dim and its projected
+    time, dim · hvp_s, is within `diagonal_budget(forward_s)` (the caller also stops it
+    when it overruns that budget: see `over_budget`).
 
     Args:
         dim: D, the number of parameter elements.
         samples: Hutchinson's probes (HVPs) per step.
-        hvp_s: measured seconds of one HVP (unused, may be NaN, when dim > exact_max_dim).
+        hvp_s: measured seconds of one HVP (unused, may be NaN, when decided by count).
         forward_s: measured seconds of the user's forward pass at this step.
+        one_pass: HVPs per batched backward pass (`HessianOperator.batch_size`).
     Returns:
         ("exact" | "hutchinson", why).
     """
+    if dim <= max(samples, one_pass):
+        return "exact", (f"curvature='auto' chose the exact Hessian diagonal: its D={dim} HVPs "
+                         f"take one batched backward pass, as Hutchinson's {samples} do")
     cost = f"D={dim} HVPs, about {_seconds(dim * hvp_s)} per step ({_seconds(hvp_s)} each)"
-    if dim <= samples:
-        return "exact", f"curvature='auto' chose the exact Hessian diagonal: {cost}, no more " \
-                        f"than Hutchinson's {samples}"
     if dim > exact_max_dim:
         return "hutchinson", (f"{_hutchinson(samples)}: the exact one needs D={dim} HVPs, more "
                               f"than {exact_max_dim}")
