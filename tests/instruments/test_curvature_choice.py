@@ -91,6 +91,15 @@ def test_a_tiny_model_still_gets_the_exact_diagonal_without_warning() -> None:
     assert found == []
 
 
+def test_a_one_pass_exact_diagonal_is_not_timed(monkeypatch) -> None:
+    # decided by count: no timing, so a busy machine cannot change the choice
+    monkeypatch.setattr(suite, "_hvp_seconds", lambda op: pytest.fail("timed"))
+    monkeypatch.setattr(suite, "diagonal_budget", lambda forward_s: 1e-12)
+    values, found = run_steps(mlp(), torch.randn(8, 4), torch.randint(0, 2, (8,)), 2)
+    assert [(v.meta["estimator"], v.meta["samples"]) for v in values] == [("exact", 23)] * 2
+    assert found == []
+
+
 @pytest.mark.parametrize("mode", ["exact", "hutchinson"])
 def test_an_explicit_mode_is_not_second_guessed(mode: str) -> None:
     torch.manual_seed(0)

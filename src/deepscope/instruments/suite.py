@@ -295,7 +295,7 @@ class Instruments:
         self._new_warnings: list[InstrumentWarning] = []  # not yet taken by take_warnings()
         self._engine_warnings_taken = 0
         self._auto_diagonal: tuple[str, str] | None = None  # "auto"'s (estimator, why)
-        self._started_at = 0.0  # perf_counter() at start(): times the user's forward
+        self._started_at = (0.0, 0.0)  # (perf_counter, thread_time) at start(): the forward's
         self._theta0: list[Tensor] | None = None
         self._pending: AlphaStart | None = None  # α start point waiting for the next step
         self._hvp_batched: bool | None = None  # vmapped HVPs verified on this model
@@ -370,7 +370,7 @@ class Instruments:
                 f"start({step}) came before finish() of step {self._step}; that step was dropped"
             )
             self.abort()
-        self._started_at = time.perf_counter()
+        self._started_at = (time.perf_counter(), time.thread_time())
         self._due = self._due_at(step, kind)
         self._step = step
         self._alpha_end, self._pending = self._pending, None
@@ -420,8 +420,12 @@ class Instruments:
         if self._engine_on:
             self._engine.set_scale(scale)
         if self._due & NEEDS_HESSIAN:
-            # the forward's time (_reduce synchronised with the device): "auto"'s yardstick
-            forward_s = time.perf_counter() - self._started_at
+            # the forward's time, "auto"'s yardstick: on the CPU the thread's CPU time, which a
+            # busy machine does not inflate (then a small budget errs towards Hutchinson);
+            # elsewhere wall time (_reduce waited for the device)
+            wall, cpu = self._started_at
+            forward_s = (time.thread_time() - cpu if loss.device.type == "cpu"
+                         else time.perf_counter() - wall)
             # H of the mean loss L = loss · scale / B, whatever the user's reduction
             batch = self._losses.shape[0]
             self._run_curvature(loss if scale == batch else loss * (scale / batch), forward_s)
@@ -530,9 +534,9 @@ class Instruments:
         samples = self.hutchinson_samples
         if self.curvature != "auto":
             return hessian_diagonal(op, self.curvature, samples, seed), ""
+        timed = max(samples, op.batch_size) < op.dim  # else exact by count: one pass
         if self._auto_diagonal is None:
-            timed = max(samples, op.batch_size) < op.dim <= EXACT_MAX_DIM
-            hvp_s = _hvp_seconds(op) if timed else math.nan
+            hvp_s = _hvp_seconds(op) if timed and op.dim <= EXACT_MAX_DIM else math.nan
             self._auto_diagonal = choose_diagonal(op.dim, samples, hvp_s, forward_s,
                                                   one_pass=op.batch_size)
             if self._auto_diagonal[0] == "hutchinson":
@@ -540,8 +544,8 @@ class Instruments:
         mode, why = self._auto_diagonal
         if mode == "exact":
             try:
-                return exact_diagonal(op, max_dim=op.dim,
-                                      budget_s=diagonal_budget(forward_s)), why
+                budget = diagonal_budget(forward_s) if timed else None
+                return exact_diagonal(op, max_dim=op.dim, budget_s=budget), why
             except OverBudget as over:
                 why = over_budget(op.dim, self._step, samples, over.projected_s, forward_s)
                 self._auto_diagonal = "hutchinson", why
