@@ -146,3 +146,21 @@ def test_doctor_prints_the_warnings(tmp_path: Path) -> None:
     assert "RECORDING WARNINGS (1)" in text
     assert "BatchNorm1d '1': in train mode" in text
     assert "affects: GradNorm" in text
+
+
+def test_warnings_as_errors_neither_stop_training_nor_lose_the_record(tmp_path: Path) -> None:
+    model = batchnorm_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeepscopeWarning)
+        with deepscope.Scope(tmp_path, "r", instruments="economy", schedule=1) as scope:
+            scope.watch(model, optimizer=opt)
+            for step in range(2):
+                with scope.step(step) as rec:
+                    losses = F.cross_entropy(model(torch.randn(8, 4)),
+                                             torch.randint(0, 3, (8,)), reduction="none")
+                    rec.loss(losses.mean(), per_sample=losses)
+                    losses.mean().backward()
+    with deepscope.open_run(tmp_path / "r") as run:
+        assert run.warnings()["message"].str.contains(BN_MESSAGE).sum() == 1
+        assert sorted(run.quantities("GradNorm", layer="")["step"]) == [0, 1]

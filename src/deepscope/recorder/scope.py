@@ -299,10 +299,10 @@ class Scope:
         """Each new instrument warning: a Python warning pointing at the user's
         `with scope.step(...)` line, and a record in the run (`Run.warnings()`)."""
         found = self.instruments.take_warnings(step)
+        self.writer.submit_warnings(found)  # first: a warnings filter "error" raises below
         for w in found:
             # stacklevel 5: here, _guard, _exit, StepRecorder.__exit__, the user's `with`
             warnings.warn(f"deepscope: {w.text()}", DeepscopeWarning, stacklevel=5)
-        self.writer.submit_warnings(found)
 
     def _activation_hook(self, path: str, is_root: bool) -> Callable:
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
