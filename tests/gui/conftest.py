@@ -12,10 +12,13 @@ import torch
 from torch import nn
 
 import deepscope
-from deepscope.instruments.base import QuantityValue
+from deepscope.instruments.base import InstrumentWarning, QuantityValue
 from tests.helpers import record_step
 
 STEPS = 6
+# what a BatchNorm in train mode makes the instruments warn (stored with runs/base)
+WARNING = InstrumentWarning(1, "BatchNorm1d 'bn'", ("GradNorm", "NormTest", "InnerTest"),
+                            "in train mode: per-sample gradients are ill-defined")
 
 
 class Net(nn.Module):
@@ -67,6 +70,8 @@ def record_run(path: Path, run: str, steps: int = STEPS, lr: float = 0.1,
             train_step(scope, model, opt, step)
             if instruments:
                 scope.writer.submit_quantities(instrument_values(model, step))
+        if instruments:
+            scope.writer.submit_warnings([WARNING])
 
 
 def record_recurrent(path: Path, run: str = "recurrent") -> None:

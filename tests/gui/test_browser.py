@@ -175,6 +175,20 @@ def test_instruments_tab_shows_the_dashboard(page) -> None:
     page.screenshot(path=str(IMG / "instruments.png"), full_page=True)
 
 
+def test_instruments_tab_shows_warnings_beside_the_quantities(page) -> None:
+    page.click("text=Instruments")
+    page.wait_for_selector("#inst-warnings-1 p")
+    step_size = page.inner_text("#inst-warnings-0")  # the section with GradNorm
+    gradients = page.inner_text("#inst-warnings-1")  # the section with the gradient tests
+    assert "BatchNorm1d 'bn': in train mode" in step_size and "affects GradNorm" in step_size
+    assert "affects NormTest, InnerTest" in gradients
+    assert page.inner_text("#inst-warnings-2") == ""
+    # runs without warnings show none
+    pick(page, "run", "other")
+    page.wait_for_function("document.querySelector('#inst-warnings-1').innerText === ''")
+    assert not page.is_visible("#inst-warnings-0")
+
+
 def test_kpis_notes_and_compare_tabs(page) -> None:
     page.click("text=KPIs")
     page.wait_for_selector("[data-kpi=loss] .js-plotly-plot")

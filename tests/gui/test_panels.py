@@ -14,11 +14,11 @@ from deepscope.gui import graph_view, panels
 from deepscope.gui.data import ProjectData
 from deepscope.gui.explorer import node_colouring
 from deepscope.gui.figures import decimate, ema
-from deepscope.gui.instruments import PANELS, layer_options, render_panel
+from deepscope.gui.instruments import PANELS, layer_options, render_panel, section_warnings
 from deepscope.gui.selection import Request, resolve
 from deepscope.instruments.base import QuantityValue
 
-from .conftest import STEPS
+from .conftest import STEPS, WARNING
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +145,13 @@ def test_decimation_keeps_spikes_and_gaps() -> None:
 def test_ema_smooths_with_debiasing_and_skips_gaps() -> None:
     out = ema([1.0, float("nan"), 3.0], 0.5)
     assert out[0] == 1.0 and math.isnan(out[1]) and out[2] == pytest.approx(1 / 3 + 2)
+
+
+def test_warnings_are_listed_in_the_sections_of_the_quantities_they_affect(
+        data: ProjectData) -> None:
+    head = f"⚠ step 1 · BatchNorm1d 'bn': {WARNING.message}"
+    # GradNorm is drawn under "Step size", the gradient tests under "Gradients"
+    assert section_warnings(data.run("base")) == [[f"{head} (affects GradNorm)"],
+                                                  [f"{head} (affects NormTest, InnerTest)"],
+                                                  [], []]
+    assert section_warnings(data.run("other")) == [[], [], [], []]

@@ -2,9 +2,6 @@
 output recorded and the "full" instruments, then checked three ways: the graph of one block
 is exact; every value is there or missing with a reason (the ones rightly missing are
 listed per model); per-sample quantities equal a float64 per-sample loop.
-
-A check that fails only because of a defect another stream is fixing is marked
-xfail(strict=True) naming it, so that it fails loudly once fixed and the mark is removed.
 """
 
 from __future__ import annotations
@@ -46,18 +43,6 @@ CASES = {c.name: c for c in [
               compiled=True),
 ]}
 
-COMPILE = pytest.mark.xfail(
-    strict=True, reason="needs w14w: on a compiled model module hooks do not fire and "
-    "parameters are named _orig_mod.*")
-XFAIL = {
-    ("compiled", "graph"): COMPILE, ("compiled", "numbers"): COMPILE,
-}
-
-
-def _params(check: str) -> list:
-    return [pytest.param(name, marks=XFAIL.get((name, check), ()), id=name) for name in CASES]
-
-
 _RUNS: dict[str, ZooRun | Exception] = {}
 
 
@@ -87,14 +72,14 @@ def zoo(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", _params("graph"))
+@pytest.mark.parametrize("name", CASES)
 def test_graph_of_one_block_exact(zoo, name):
     zr = zoo(name)
     for micro_batch in range(CASES[name].micro_batches):
         assert block_edges(zr, micro_batch) == CASES[name].block_edges, micro_batch
 
 
-@pytest.mark.parametrize("name", _params("values"))
+@pytest.mark.parametrize("name", CASES)
 def test_every_value_present_or_missing_with_its_reason(zoo, name):
     missing = missing_values(zoo(name))
     expected = CASES[name].missing
@@ -103,6 +88,6 @@ def test_every_value_present_or_missing_with_its_reason(zoo, name):
         assert all(expected[quantity] in r for r in reasons), (quantity, reasons)
 
 
-@pytest.mark.parametrize("name", _params("numbers"))
+@pytest.mark.parametrize("name", CASES)
 def test_per_sample_quantities_equal_float64_loop(zoo, name):
     check_numbers(zoo(name))

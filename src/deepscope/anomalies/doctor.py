@@ -56,7 +56,7 @@ def _findings_report(run: Run, rank: int, limit: int) -> str:
     if found.empty:
         return (f"{head}: no anomalies recorded.\n  (Findings come from "
                 "deepscope.Scope(..., anomalies=True); none means every checked step was "
-                "finite and no detector fired.)")
+                "finite and no detector fired.)" + _warnings_text(run, rank))
     counts = found["detector"].value_counts()
     lines = [f"{head}: {len(found)} finding{'s' if len(found) != 1 else ''} — "
              + ", ".join(f"{n} {d}" for d, n in counts.items())]
@@ -85,6 +85,23 @@ def _findings_report(run: Run, rank: int, limit: int) -> str:
                          ".anomalies() has them all)")
     lines += ["", f"GUI: deepscope serve {run.path.parent} → run {run.name} → Diagnosis "
               "tab: diagnoses (each row opens its step and node), then every finding."]
+    return "\n".join(lines) + _warnings_text(run, rank)
+
+
+def _warnings_text(run: Run, rank: int) -> str:
+    """The run's recording warnings (instruments that could not be exact, ...), all of them:
+    each distinct one was stored once."""
+    found = run.warnings(rank)
+    if found.empty:
+        return ""
+    lines = ["", "", f"RECORDING WARNINGS ({len(found)}) — values they affect are approximate "
+             "or missing; the Instruments tab shows them beside those quantities:"]
+    for row in found.itertuples(index=False):
+        step = "-" if row.step is None or row.step != row.step else int(row.step)
+        where = f"{row.location}: " if row.location else ""
+        lines.append(f"  step {step:>7}  {where}{row.message}")
+        if row.quantities:
+            lines.append(f"  {'':>12} affects: {', '.join(row.quantities)}")
     return "\n".join(lines)
 
 

@@ -171,6 +171,12 @@ class HealthMonitor:
             self._step_handles = self._hook(self._untraced, False)
         self._step = rec
 
+    @property
+    def hooks_modules(self) -> bool:
+        """Whether module forward hooks observe the current step (the trace, or a detector
+        of module outputs); they do not fire inside compiled code."""
+        return bool(self._handles) or (self._step is not None and bool(self._step.observers))
+
     def loss(self, loss: Tensor, name: str = "loss") -> None:
         """The loss of the step (a 1-element tensor), before backward. name: as stored."""
         if not isinstance(loss, Tensor) or loss.numel() != 1:

@@ -12,11 +12,11 @@ from typing import Any
 import dash
 import numpy as np
 import pandas as pd
-from dash import Input, Output
+from dash import Input, Output, html
 
 from .data import ProjectData, RunData
 from .figures import Figure, base_layout, line_trace, log_axis_fits, message_figure, note
-from .guard import figure_guard
+from .guard import error_box, figure_guard, guard
 
 MAX_HIST_STEPS = 300  # columns of the gradient-histogram heatmap; more steps are thinned
 MAX_HIST_BINS = 400   # rows of the common grid (the finest recorded bin width, up to this)
@@ -165,6 +165,25 @@ def _histogram_panel(rd: RunData, panel: Panel, layer: str) -> Figure:
     return {"data": data, "layout": layout}
 
 
+def section_warnings(rd: RunData) -> list[list[str]]:
+    """Per section of SECTIONS: one line for each recording warning of the run that affects
+    a quantity drawn there (a warning about no quantity in particular: the first section)."""
+    table = rd.cached("warnings", lambda r: r.warnings())
+    out: list[list[str]] = [[] for _ in SECTIONS]
+    for row in table.itertuples(index=False):
+        step = "" if row.step is None or row.step != row.step else f"step {int(row.step)} · "
+        where = f"{row.location}: " if row.location else ""
+        hit = False
+        for i, (_, keys) in enumerate(SECTIONS):
+            shown = [q for k in keys for q in PANELS[k].names if q in row.quantities]
+            if shown:
+                out[i].append(f"⚠ {step}{where}{row.message} (affects {', '.join(shown)})")
+                hit = True
+        if not hit:
+            out[0].append(f"⚠ {step}{where}{row.message}")
+    return out
+
+
 def layer_options(rd: RunData) -> list[dict[str, str]]:
     """Whole model plus every layer any per-layer quantity recorded."""
     layers: set[str] = set()
@@ -190,6 +209,14 @@ def register(app: dash.Dash, project: ProjectData) -> None:
 
     for key, panel in PANELS.items():
         _register_panel(app, project, key, panel, inputs)
+
+    @app.callback([Output(f"inst-warnings-{i}", "children") for i in range(len(SECTIONS))],
+                  Input("tabs", "value"), Input("run", "value"), Input("version-slow", "data"))
+    @guard(lambda msg: [[error_box(f"warnings: {msg}")]] + [[] for _ in SECTIONS[1:]])
+    def _warnings(tab: str, run: str | None, _v: Any) -> list[list[html.P]]:
+        if tab != "instruments" or not run:
+            raise dash.exceptions.PreventUpdate
+        return [[html.P(line) for line in lines] for lines in section_warnings(project.run(run))]
 
 
 def _register_panel(app: dash.Dash, project: ProjectData, key: str, panel: Panel,

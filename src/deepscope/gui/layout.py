@@ -129,9 +129,10 @@ def explorer_tab() -> html.Div:
 def instruments_tab() -> html.Div:
     """The Cockpit-like dashboard: one chart per panel, grouped in sections."""
     sections = []
-    for title, keys in SECTIONS:
+    for i, (title, keys) in enumerate(SECTIONS):
         sections.append(html.Section([
             html.H2(title),
+            html.Div(id=f"inst-warnings-{i}", className="inst-warnings"),  # beside the charts
             html.Div([_graph(f"inst-{k}", 240) for k in keys], className="panel-grid"),
         ], className="card"))
     return html.Div([

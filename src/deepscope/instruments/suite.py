@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
+import time
 from collections.abc import Callable, Sequence
 from functools import cached_property, reduce
 from operator import add
@@ -32,7 +34,7 @@ from torch import Tensor, nn
 
 from ..hookstate import paused
 from .alpha import AlphaStart, fit_alpha, line_point
-from .base import TOTAL, QuantityValue
+from .base import TOTAL, InstrumentWarning, QuantityValue
 from .config import (
     NEEDS_DIAGONAL,
     NEEDS_ENGINE,
@@ -42,11 +44,14 @@ from .config import (
     check_curvature_mode,
     resolve_quantities,
 )
-from .curvature import HessianOperator
+from .curvature import Estimate, HessianOperator, OverBudget, exact_diagonal
 from .engine import PerSampleEngine
 from .histograms import Bins, GradHistogram, Histogram, finite_abs_max, symmetric_bins
 from .quantities import (
+    EXACT_MAX_DIM,
     cabs,
+    choose_diagonal,
+    diagonal_budget,
     early_stopping,
     hess_max_ev,
     hess_trace,
@@ -56,6 +61,7 @@ from .quantities import (
     mean_gsnr,
     norm_test,
     ortho_test,
+    over_budget,
     tic_diag,
     tic_trace,
     with_total,
@@ -70,6 +76,12 @@ HUTCHINSON_SAMPLES = 2
 LANCZOS_ITER = 10
 CPU_PLAIN_HVP_DIM = 2**16  # from this many parameters on, HVPs one at a time on CPU
 NO_LOSS = "loss() was not called in this step; call rec.loss(loss, per_sample=losses)"
+NO_LOSS_WARNING = ("an instrumented step had no rec.loss(...): its quantities (all but Distance "
+                   "and UpdateSize) are missing; call rec.loss(loss, per_sample=losses) inside "
+                   "every instrumented step")
+LOSS_FREE = frozenset({"Distance", "UpdateSize"})  # the quantities that need no loss
+# The engine names what a warning is about first: "Linear '0': ..." or "parameter 'w': ...".
+_ENGINE_LOCATION = re.compile(r"((?:parameter|[A-Za-z_][\w.]*) '[^']*'): (.+)", re.S)
 # An update this close to −ḡ in direction (1 + cosine) is a plain SGD step, and α projects
 # on −ḡ/‖ḡ‖ (as Cockpit does): storing θ in float32 rounds the realised update, typically to
 # 1 + cosine ~ 1e-6, a direction error of ~1e-3 that is round-off, not optimiser behaviour.
@@ -103,6 +115,18 @@ def _describe(error: BaseException) -> str:
     kind = next(c.__name__ for c in type(error).__mro__ if not c.__name__.startswith("_"))
     text = str(error).splitlines()[0] if str(error) else ""
     return f"{kind}: {text}" if text else kind
+
+
+def _hvp_seconds(op: HessianOperator, repeats: int = 5) -> float:
+    """Seconds of one Hessian-vector product: the fastest of `repeats` timed ones, after one
+    untimed (its first pass pays one-off costs; a busy machine only slows some)."""
+    v = torch.ones(op.dim, dtype=op.dtype, device=op.device)
+    times = []
+    for _ in range(repeats + 1):
+        began = time.perf_counter()
+        op.matvec(v).sum().item()  # waits for the device: the product's time, not its launch
+        times.append(time.perf_counter() - began)
+    return min(times[1:])
 
 
 class _Batch:
@@ -208,8 +232,11 @@ class Instruments:
         hist_bins, hist_range: GradHist1d bins on (lo, hi), or hist_range="adaptive" for a
             symmetric range from each step's largest finite |gᵢ,ₐ| (costs a second pass).
         seed: base seed of the curvature estimators (step t uses seed + t).
-        curvature: Hessian diagonal for HessTrace / TIC: "auto" (exact when the model has
-            at most 5000 parameters, else Hutchinson), "exact" or "hutchinson".
+        curvature: Hessian diagonal for HessTrace / TIC: "auto" (exact when its D HVPs fit
+            in one batched backward pass, or cost at most 10 training steps or 0.1 s,
+            measured at the first curvature step, and D <= 5000; else Hutchinson, with a
+            warning; see `choose_diagonal`), "exact" or "hutchinson". The choice and why
+            are in each value's meta["choice"].
         hutchinson_samples: Rademacher probes (HVPs) per step for a Hutchinson diagonal.
         lanczos_iter: Lanczos iterations (HVPs) per step for HessMaxEV.
         hist2d_per_layer: also store GradHist2d per parameter tensor (40×50 counts each).
@@ -288,6 +315,10 @@ class Instruments:
         self._names = list(self._params)
         self._engine = PerSampleEngine(model) if set(self.quantities) & NEEDS_ENGINE else None
         self._warnings: list[str] = []
+        self._new_warnings: list[InstrumentWarning] = []  # not yet taken by take_warnings()
+        self._engine_warnings_taken = 0
+        self._auto_diagonal: tuple[str, str] | None = None  # "auto"'s (estimator, why)
+        self._started_at = (0.0, 0.0)  # (perf_counter, thread_time) at start(): the forward's
         self._theta0: list[Tensor] | None = None
         self._pending: AlphaStart | None = None  # α start point waiting for the next step
         self._hvp_batched: bool | None = None  # vmapped HVPs verified on this model
@@ -318,6 +349,34 @@ class Instruments:
         engine = self._engine.warnings if self._engine is not None else []
         return [*self._warnings, *engine]
 
+    def _warn(self, message: str, quantities: frozenset[str] | None = None) -> None:
+        """Note a warning about the whole model (once); `quantities`: those it affects
+        (default: every chosen one)."""
+        if message in self._warnings:
+            return
+        self._warnings.append(message)
+        affected = tuple(q for q in self.quantities if quantities is None or q in quantities)
+        self._new_warnings.append(InstrumentWarning(self._step, "", affected, message))
+
+    def take_warnings(self, step: int | None = None) -> list[InstrumentWarning]:
+        """The warnings that appeared since the last call, each distinct one once.
+
+        The recorder calls it after every instrumented step and hands them to the user
+        (a Python warning) and to the run. Warnings of the per-sample engine (a module whose
+        per-sample gradients cannot be exact, ...) are dated `step` and affect the
+        quantities built on per-sample gradients.
+        """
+        out, self._new_warnings = self._new_warnings, []
+        if self._engine is not None:
+            fresh = self._engine.warnings[self._engine_warnings_taken:]
+            self._engine_warnings_taken += len(fresh)
+            affected = tuple(q for q in self.quantities if q in NEEDS_ENGINE)
+            for text in fresh:
+                match = _ENGINE_LOCATION.fullmatch(text)
+                location, message = match.groups() if match else ("", text)
+                out.append(InstrumentWarning(step, location, affected, message))
+        return out
+
     def _due_at(self, step: int, kind: str) -> frozenset[str]:
         return frozenset(
             q for q in self.quantities if self.schedules.get(q, self.schedule)(step, kind)
@@ -332,10 +391,11 @@ class Instruments:
     def start(self, step: int, kind: str) -> None:
         """Begin step `step` before the user's forward: snapshot θₜ and turn hooks on."""
         if self._step is not None:
-            self._warnings.append(
+            self._warn(
                 f"start({step}) came before finish() of step {self._step}; that step was dropped"
             )
             self.abort()
+        self._started_at = (time.perf_counter(), time.thread_time())
         self._due = self._due_at(step, kind)
         self._step = step
         self._alpha_end, self._pending = self._pending, None
@@ -408,10 +468,16 @@ class Instruments:
             unit = 1 / (scale * per_sample[0].numel()) if kind == "mean" else 1 / scale
             self._engine.add_loss(loss, scale, per_sample, unit)
         if self._due & NEEDS_HESSIAN:
+            # the forward's time, "auto"'s yardstick: on the CPU the thread's CPU time, which a
+            # busy machine does not inflate (then a small budget errs towards Hutchinson);
+            # elsewhere wall time (_reduce waited for the device)
+            wall, cpu = self._started_at
+            forward_s = (time.thread_time() - cpu if loss.device.type == "cpu"
+                         else time.perf_counter() - wall)
             # H of the micro-batch's mean loss = loss · scale / B, whatever the reduction
             previous, self._curvature = self._curvature, {}
             batch = losses.shape[0]
-            self._run_curvature(loss if scale == batch else loss * (scale / batch))
+            self._run_curvature(loss if scale == batch else loss * (scale / batch), forward_s)
             if before:
                 self._merge_curvature(previous, before, batch)
 
@@ -523,7 +589,7 @@ class Instruments:
             "diagonal_meta": current["diagonal_meta"],
         }
 
-    def _run_curvature(self, mean_loss: Tensor) -> None:
+    def _run_curvature(self, mean_loss: Tensor, forward_s: float) -> None:
         due = self._due & NEEDS_HESSIAN
         seed = (self.seed + self._step) % 2**31  # fresh probes each step, reproducibly
         params = list(self._params.values())
@@ -537,12 +603,12 @@ class Instruments:
                                            batched=self._hvp_batched) as op:
                 if due & NEEDS_DIAGONAL:
                     try:
-                        diagonal = hessian_diagonal(op, self.curvature, self.hutchinson_samples,
-                                                    seed)
+                        diagonal, choice = self._diagonal(op, seed, forward_s)
                         self._curvature["diagonal"] = op.split(diagonal.value)
                         self._curvature["traces"] = hess_trace(op, diagonal.value)
                         self._curvature["diagonal_meta"] = {
-                            "estimator": diagonal.estimator, "samples": diagonal.samples}
+                            "estimator": diagonal.estimator, "samples": diagonal.samples,
+                            **({"choice": choice} if choice else {})}
                     except Exception as error:
                         self._failed.update(dict.fromkeys(due & NEEDS_DIAGONAL, _describe(error)))
                 if "HessMaxEV" in due:
@@ -553,6 +619,40 @@ class Instruments:
                 self._hvp_batched = op.batched  # checked once per model, not every step
         except Exception as error:  # e.g. the operator cannot be built
             self._failed.update(dict.fromkeys(due, _describe(error)))
+
+    def _diagonal(self, op: HessianOperator, seed: int, forward_s: float) -> tuple[Estimate, str]:
+        """diag(H) by the configured estimator, and (for "auto") why.
+
+        "auto" decides at its first step by the measured cost of an HVP against the
+        training step (see `choose_diagonal`), and still stops an exact diagonal that
+        overruns its budget, then takes Hutchinson's from there on; it warns when it
+        settles for Hutchinson.
+        """
+        samples = self.hutchinson_samples
+        if self.curvature != "auto":
+            return hessian_diagonal(op, self.curvature, samples, seed), ""
+        timed = max(samples, op.batch_size) < op.dim  # else exact by count: one pass
+        if self._auto_diagonal is None:
+            hvp_s = _hvp_seconds(op) if timed and op.dim <= EXACT_MAX_DIM else math.nan
+            self._auto_diagonal = choose_diagonal(op.dim, samples, hvp_s, forward_s,
+                                                  one_pass=op.batch_size)
+            if self._auto_diagonal[0] == "hutchinson":
+                self._warn_estimate(self._auto_diagonal[1])
+        mode, why = self._auto_diagonal
+        if mode == "exact":
+            try:
+                budget = diagonal_budget(forward_s) if timed else None
+                return exact_diagonal(op, max_dim=op.dim, budget_s=budget), why
+            except OverBudget as over:
+                why = over_budget(op.dim, self._step, samples, over.projected_s, forward_s)
+                self._auto_diagonal = "hutchinson", why
+                self._warn_estimate(why)
+        return hessian_diagonal(op, "hutchinson", samples, seed), why
+
+    def _warn_estimate(self, why: str) -> None:
+        self._warn(why + "; HessTrace and TIC are estimates: pass curvature='exact' "
+                   "(instrument_options={'curvature': 'exact'}) to force the exact diagonal",
+                   NEEDS_DIAGONAL)
 
     def _missing(self, name: str, step: int, reason: str, layer: str = TOTAL) -> QuantityValue:
         return QuantityValue(name, step, layer, meta={"reason": reason})
@@ -616,8 +716,11 @@ class Instruments:
             with contextlib.suppress(Exception):
                 self._want_dots(batch, update)
 
+        if self._loss is None and due - LOSS_FREE:
+            self._warn(NO_LOSS_WARNING, frozenset(self.quantities) - LOSS_FREE)
+
         def attempt(name: str, compute: Callable[[], list[QuantityValue]]) -> None:
-            if self._loss is None and name not in ("Distance", "UpdateSize"):
+            if self._loss is None and name not in LOSS_FREE:
                 out.append(self._missing(name, step, NO_LOSS))
                 return
             if name in self._failed:

@@ -292,6 +292,25 @@ class Run:
         from ..diagnosis import THRESHOLD, diagnose, frame  # heavy logic, loaded on use
         return frame(diagnose(self, rank, THRESHOLD if threshold is None else threshold))
 
+    def warnings(self, rank: int = 0) -> pd.DataFrame:
+        """Recording warnings, each distinct one once, in the order they occurred: step (the
+        first step it occurred at; None outside a step), location (a module or parameter
+        label, "" for the whole model), quantities (list of the instrument quantities it
+        affects), message. Runs recorded before warnings were stored give an empty table."""
+        columns = ["step", "location", "quantities", "message"]
+        r = self._r(rank)
+        if "warnings" not in r.optional_tables:
+            return pd.DataFrame([], columns=columns)
+        rows = r.query("SELECT step, location, quantities, message FROM warnings ORDER BY id")
+        records = []
+        for step, location, quantities, message in rows:
+            names = r.decode_json(quantities, "warning quantities")
+            if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+                raise CorruptRunError(f"{r.path}: stored warning quantities are not a list of "
+                                      "names; the file is damaged")
+            records.append((step, location, names, message))
+        return pd.DataFrame(records, columns=columns)
+
 
 def open_run(path: str | Path) -> Run:
     """Open a recorded run folder for reading."""

@@ -8,6 +8,7 @@ import shutil
 import sys
 import time
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from ..anomalies.monitor import HealthMonitor
+from ..errors import DeepscopeWarning
 from ..hookstate import hooks_paused
 from ..naming import named_leaves
 from ..store import limits
@@ -121,6 +123,7 @@ class Scope:
         self._params: dict[str, torch.Tensor] = {}
         self._param_nodes: dict[str, tuple[str, str]] = {}
         self._module_hooks: list[Any] = []
+        self._stance: Any = None  # the force_eager stance of the open step, to restore
         self._graph_cache: dict = {}
         self.buffers = BufferPool()
         self._current: StepRecorder | None = None
@@ -179,9 +182,18 @@ class Scope:
         "output"). optimizer: lets instruments read the learning rate (CABS). node_depth:
         group parameters into graph nodes by the first `node_depth` parts of their module
         path (default: the full module path). Returns the model unchanged.
+
+        A `torch.compile`d model is watched through its original module (`_orig_mod`), so
+        names are those of the eager model. Hooks do not fire inside compiled code, so every
+        step that records, computes instruments or checks module outputs runs eagerly
+        (`torch.compiler.set_stance("force_eager")`): its values are the eager model's; the
+        other steps run compiled.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"scope.watch(...) needs a torch.nn.Module, got {type(model).__name__}")
+        compiled = model
+        if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
+            model = model._orig_mod
         prefix = f"{name}." if name else ""
         for pname, p in model.named_parameters():
             full = prefix + pname
@@ -206,7 +218,7 @@ class Scope:
                 model, self._instrument_spec, schedule=self._instrument_schedule,
                 optimizer=optimizer, schedules=self._quantity_schedules, seed=self._seed,
                 **self._instrument_options)
-        return model
+        return compiled
 
     def note(self, text: str) -> None:
         """Store a free-text note (shown in the GUI's Notes tab) with the current step."""
@@ -256,9 +268,19 @@ class Scope:
             rec._instrumented = False
         if self.monitor is not None:
             self._guard(self.monitor.start, rec.step, rec.kind)
+        # Hooks do not fire inside compiled code: a hooked step runs compiled models eagerly.
+        # Without torch._dynamo imported nothing was compiled (and importing it costs ~1 s).
+        if "torch._dynamo" in sys.modules and (rec.recording or rec._instrumented or (
+                self.monitor is not None and self.monitor.hooks_modules)):
+            self._stance = self._guard(torch.compiler.set_stance, "force_eager")
+            if self._stance is _FAILED:  # e.g. called inside a compiled region
+                self._stance = None
 
     def _exit(self, rec: StepRecorder, failed: bool) -> None:
         self._current = None
+        if self._stance is not None:
+            self._stance.__exit__(None, None, None)  # the stance before this step
+            self._stance = None
         rec._remove_hooks()
         if failed:  # the user's step raised: store nothing half-done
             if rec._instrumented:
@@ -274,6 +296,7 @@ class Scope:
             quantities = self._guard(self.instruments.finish) or []
             if quantities is _FAILED:
                 quantities = []
+            self._guard(self._send_warnings, rec.step)
         submitted = False
         if rec.recording and rec._keep():
             payload = self._guard(rec._payload)
@@ -306,6 +329,15 @@ class Scope:
         if self._on_anomaly is not None:
             for f in findings:
                 self._on_anomaly(f)
+
+    def _send_warnings(self, step: int) -> None:
+        """Each new instrument warning: a Python warning pointing at the user's
+        `with scope.step(...)` line, and a record in the run (`Run.warnings()`)."""
+        found = self.instruments.take_warnings(step)
+        self.writer.submit_warnings(found)  # first: a warnings filter "error" raises below
+        for w in found:
+            # stacklevel 5: here, _guard, _exit, StepRecorder.__exit__, the user's `with`
+            warnings.warn(f"deepscope: {w.text()}", DeepscopeWarning, stacklevel=5)
 
     def _activation_hook(self, path: str, is_root: bool) -> Callable:
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import CorruptRunError
 from . import arrays, codecs, limits
 from .layout import check_run_id
-from .schema import DDL, SCHEMA_VERSION
+from .schema import DDL, OPTIONAL_TABLES, SCHEMA_VERSION
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 # Python's sqlite3 raises UnicodeDecodeError instead of DatabaseError when SQLite's message
@@ -110,9 +110,16 @@ def _check_store(con: sqlite3.Connection, path: Path) -> None:
                else "upgrade deepscope to read newer runs")
         raise _corrupt(f"{path} has schema version {str(version[0])[:20]!r}; this deepscope "
                        f"reads version {SCHEMA_VERSION} ({fix})")
-    _check_tables(con, path, [t for t in expected_tables() if t != "meta"])
+    present = _present_tables(con)
+    _check_tables(con, path, [t for t in expected_tables() if t != "meta"
+                              and (t not in OPTIONAL_TABLES or t in present)])
     run_id = con.execute("SELECT value FROM meta WHERE key='run_id'").fetchone()
     check_run_id(path, run_id and run_id[0])  # a -wal file of another database
+
+
+def _present_tables(con: sqlite3.Connection) -> set[str]:
+    """Names of every schema object (of any type: a view named like a table is checked)."""
+    return {n for (n,) in con.execute("SELECT name FROM sqlite_master")}
 
 
 def open_readonly(path: Path) -> sqlite3.Connection:
@@ -143,6 +150,8 @@ class StoreReader:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._con = open_readonly(path)
+        # optional tables (see schema.OPTIONAL_TABLES) this file has; checked on opening
+        self.optional_tables = frozenset(OPTIONAL_TABLES & _present_tables(self._con))
         self._parts: OrderedDict[tuple[int, int], bytes] = OrderedDict()  # least recent first
         self._parts_lock = threading.Lock()  # the GUI server reads from several threads
 

@@ -67,4 +67,15 @@ CREATE TABLE IF NOT EXISTS quantity_arrays (
 CREATE TABLE IF NOT EXISTS anomalies (
     id INTEGER PRIMARY KEY, step INTEGER NOT NULL, tensor TEXT NOT NULL, detector TEXT NOT NULL,
     value REAL, threshold REAL, message TEXT NOT NULL);
+-- Added within schema version 2 (files recorded before lack it; readers treat it as empty):
+-- each distinct recording warning once, at the step it first occurred. `location` is what
+-- it is about (a module or parameter label, "" for the whole run), `quantities` a JSON list
+-- of the instrument quantities it affects.
+CREATE TABLE IF NOT EXISTS warnings (
+    id INTEGER PRIMARY KEY, step INTEGER, location TEXT NOT NULL, quantities TEXT NOT NULL,
+    message TEXT NOT NULL);
 """
+
+# Tables added after their schema version was first released: older files of that version
+# lack them, so a reader checks them only where present and reads them as empty otherwise.
+OPTIONAL_TABLES: frozenset[str] = frozenset({"warnings"})

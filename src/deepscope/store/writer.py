@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import RecordingError
-from ..instruments.base import QuantityValue
+from ..instruments.base import InstrumentWarning, QuantityValue
 from . import arrays, codecs
 from .layout import check_run_id, lock_file, parse_run_id, sidecar_run_id
 from .schema import APPLICATION_ID, DDL, SCHEMA_VERSION, STAT_COLUMNS
@@ -129,6 +129,11 @@ class _Quantities:
 @dataclass
 class _Anomalies:
     rows: list[tuple[int, str, str, float | None, float | None, str]]
+
+
+@dataclass
+class _Warnings:
+    warnings: list[InstrumentWarning]
 
 
 _STOP = object()
@@ -356,6 +361,11 @@ class StoreWriter:
         if not self.failed and rows:
             self._queue.put(_Anomalies(rows))
 
+    def submit_warnings(self, warnings: list[InstrumentWarning]) -> None:
+        """Store recording warnings (the caller sends each distinct one once)."""
+        if not self.failed and warnings:
+            self._queue.put(_Warnings(warnings))
+
     def flush(self) -> None:
         """Block until everything queued so far is committed.
 
@@ -497,6 +507,8 @@ class StoreWriter:
                 self._write_quantities(item.values)
             elif isinstance(item, _Anomalies):
                 self._write_anomalies(item.rows)
+            elif isinstance(item, _Warnings):
+                self._write_warnings(item.warnings)
             # Every transaction repeats the run id: the last commit in a -wal file then says
             # which database the file belongs to (checked against the lock file on open).
             con.execute("INSERT OR REPLACE INTO meta VALUES ('run_id', ?)",
@@ -593,6 +605,14 @@ class StoreWriter:
                 dtype, shape, data = arrays.encode(np.asarray(q.array))
                 con.execute("INSERT OR REPLACE INTO quantity_arrays VALUES (?, ?, ?, ?, ?, ?)",
                             (q.name, q.layer, q.step, dtype, shape, data))
+
+    def _write_warnings(self, warnings: list[InstrumentWarning]) -> None:
+        # once per run, also across a resume: a resumed run warns again but stores nothing new
+        self._con.executemany(
+            "INSERT INTO warnings (step, location, quantities, message) SELECT ?, ?, ?, ? "
+            "WHERE NOT EXISTS (SELECT 1 FROM warnings WHERE location = ? AND message = ?)",
+            [(w.step, w.location, json.dumps(list(w.quantities)), w.message, w.location,
+              w.message) for w in warnings])
 
     def _write_anomalies(self, rows: list[tuple]) -> None:
         self._con.executemany(

@@ -9,7 +9,7 @@ Example (after the forward pass, before the user's ``loss.backward()``)::
 """
 
 from .estimate import Estimate, layer_traces
-from .exact import dense_hessian, exact_diagonal
+from .exact import OverBudget, dense_hessian, exact_diagonal
 from .hutchinson import hutchinson_diagonal, hutchinson_trace
 from .hutchpp import hutchpp_trace
 from .lanczos import lanczos
@@ -19,6 +19,7 @@ from .power_iteration import power_iteration
 __all__ = [
     "Estimate",
     "HessianOperator",
+    "OverBudget",
     "dense_hessian",
     "exact_diagonal",
     "hutchinson_diagonal",

@@ -9,13 +9,26 @@ Conventions shared by every function here:
   denominator) holds NaN or ±Inf; the caller reports it as missing with the reason.
 """
 
-from .curvature import hess_max_ev, hess_trace, hessian_diagonal, tic_diag, tic_trace
+from .curvature import (
+    EXACT_MAX_DIM,
+    choose_diagonal,
+    diagonal_budget,
+    hess_max_ev,
+    hess_trace,
+    hessian_diagonal,
+    over_budget,
+    tic_diag,
+    tic_trace,
+)
 from .gradient_tests import inner_test, norm_test, ortho_test
 from .norms import layer_norms, with_total
 from .snr import cabs, early_stopping, mean_gsnr
 
 __all__ = [
+    "EXACT_MAX_DIM",
     "cabs",
+    "choose_diagonal",
+    "diagonal_budget",
     "early_stopping",
     "hess_max_ev",
     "hess_trace",
@@ -25,6 +38,7 @@ __all__ = [
     "mean_gsnr",
     "norm_test",
     "ortho_test",
+    "over_budget",
     "tic_diag",
     "tic_trace",
     "with_total",

@@ -25,6 +25,11 @@ from ..curvature import (
 from .norms import with_total
 
 EXACT_MAX_DIM = 5000  # "auto" takes the exact diagonal (D HVPs) up to this many parameters
+# Instruments' "auto" takes the exact diagonal only when its D HVPs cost at most this many
+# training steps, or at most AUTO_FLOOR_S seconds (a tiny model's step is too short to time).
+AUTO_STEP_FACTOR = 10
+AUTO_FLOOR_S = 0.1
+FORWARD_SHARE = 3  # a training step (forward, backward at ~2 forwards) ≈ 3 forwards
 TIC_EPS = 1e-7
 TIC_CHUNK = 1 << 20  # elements per pass of tic_diag: its two float64 buffers stay at 16 MiB
 
@@ -47,6 +52,67 @@ def hessian_diagonal(
     if mode == "exact" or (mode == "auto" and op.dim <= exact_max_dim):
         return exact_diagonal(op, max_dim=op.dim)
     return hutchinson_diagonal(op, samples=samples, seed=seed)
+
+
+def diagonal_budget(forward_s: float) -> float:
+    """Seconds "auto" lets the exact diagonal take at a step whose forward took forward_s:
+    AUTO_STEP_FACTOR training steps (each ≈ FORWARD_SHARE forwards), at least AUTO_FLOOR_S."""
+    return max(AUTO_STEP_FACTOR * FORWARD_SHARE * forward_s, AUTO_FLOOR_S)
+
+
+def choose_diagonal(
+    dim: int, samples: int, hvp_s: float, forward_s: float, exact_max_dim: int = EXACT_MAX_DIM,
+    one_pass: int = 1,
+) -> tuple[str, str]:
+    """The estimator "auto" takes for diag(H), by cost, and why (one line).
+
+    The exact diagonal costs `dim` HVPs, Hutchinson's `samples`. Exact is taken, by count,
+    when its HVPs fit in as few batched backward passes as Hutchinson's (dim <=
+    max(samples, one_pass)); else, by time, when dim <= exact_max_dim and its projected
+    time, dim · hvp_s, is within `diagonal_budget(forward_s)` (the caller also stops it
+    when it overruns that budget: see `over_budget`).
+
+    Args:
+        dim: D, the number of parameter elements.
+        samples: Hutchinson's probes (HVPs) per step.
+        hvp_s: measured seconds of one HVP (unused, may be NaN, when decided by count).
+        forward_s: measured seconds of the user's forward pass at this step.
+        one_pass: HVPs per batched backward pass (`HessianOperator.batch_size`).
+    Returns:
+        ("exact" | "hutchinson", why).
+    """
+    if dim <= max(samples, one_pass):
+        return "exact", (f"curvature='auto' chose the exact Hessian diagonal: its D={dim} HVPs "
+                         f"take one batched backward pass, as Hutchinson's {samples} do")
+    cost = f"D={dim} HVPs, about {_seconds(dim * hvp_s)} per step ({_seconds(hvp_s)} each)"
+    if dim > exact_max_dim:
+        return "hutchinson", (f"{_hutchinson(samples)}: the exact one needs D={dim} HVPs, more "
+                              f"than {exact_max_dim}")
+    if dim * hvp_s <= diagonal_budget(forward_s):
+        return "exact", f"curvature='auto' chose the exact Hessian diagonal: {cost}, within " \
+                        f"{_limit(forward_s)}"
+    return "hutchinson", f"{_hutchinson(samples)}: the exact one needs {cost}, more than " \
+                         f"{_limit(forward_s)}"
+
+
+def over_budget(dim: int, step: int, samples: int, projected_s: float, forward_s: float) -> str:
+    """Why "auto" left the exact diagonal at `step`: it overran `diagonal_budget`."""
+    return (f"{_hutchinson(samples)} from step {step} on: the exact one (D={dim} HVPs) would "
+            f"have taken about {_seconds(projected_s)}, more than {_limit(forward_s)}")
+
+
+def _hutchinson(samples: int) -> str:
+    return (f"curvature='auto' chose Hutchinson's estimator ({samples} HVPs per step) for the "
+            "Hessian diagonal")
+
+
+def _limit(forward_s: float) -> str:
+    return (f"{AUTO_STEP_FACTOR}× a training step (about {_seconds(FORWARD_SHARE * forward_s)})"
+            f" or {_seconds(AUTO_FLOOR_S)}")
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
 
 
 def hess_trace(op: HessianOperator, diagonal: Tensor) -> Tensor:
