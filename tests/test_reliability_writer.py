@@ -77,9 +77,11 @@ def test_a_second_writer_is_refused_and_resume_appends_after_a_killed_one(tmp_pa
                 deepscope.Scope(tmp_path, "r", schedule=1, **kwargs)
             assert "\n" not in str(info.value)
         assert deepscope.open_run(tmp_path / "r").steps() == list(range(20))  # untouched
+        assert deepscope.open_run(tmp_path / "r").status() == "recording"
     finally:
         holder.send_signal(signal.SIGKILL)  # the kernel releases a dead holder's lock
         holder.wait(30)
+    assert deepscope.open_run(tmp_path / "r").status() == "crashed"  # killed, never closed
     with deepscope.Scope(tmp_path, "r", schedule=1, resume=True) as scope:
         with pytest.raises(ValueError, match="must increase: got 19 after 19"):
             scope.step(19)  # a committed step is never rewritten
@@ -89,6 +91,21 @@ def test_a_second_writer_is_refused_and_resume_appends_after_a_killed_one(tmp_pa
     for step in (0, 19):
         assert (run.values("x", step, view="samples") == step).all()  # the first writer's
     assert (run.values("x", 22, view="samples") == 122).all()
+
+
+def test_a_run_says_whether_it_finished_or_was_interrupted(tmp_path):
+    with deepscope.Scope(tmp_path, "ok", schedule=1) as scope:
+        record(scope, range(2))
+    assert deepscope.open_run(tmp_path / "ok").status() == "finished"
+    with pytest.raises(KeyError), deepscope.Scope(tmp_path, "bad", schedule=1) as scope:
+        record(scope, range(2))
+        raise KeyError("no such batch")
+    run = deepscope.open_run(tmp_path / "bad")
+    assert run.status() == "interrupted: KeyError: 'no such batch'"
+    assert run.steps() == [0, 1]
+    with deepscope.Scope(tmp_path, "bad", schedule=1, resume=True) as scope:
+        assert run.status() == "recording"  # resumed: recording again until closed
+    assert run.status() == "finished"
 
 
 def test_two_scopes_in_one_process_on_one_rank(tmp_path):

@@ -116,6 +116,7 @@ def test_exception_leaves_a_readable_run_marked_interrupted(pl, module_class, tm
     with deepscope.open_run(tmp_path / "crash") as run:
         notes = run.notes().text.tolist()
         assert notes == [f"{INTERRUPTED}: RuntimeError: boom in training_step"]
+        assert run.status() == notes[0]
         assert run.kpis("loss").step.tolist() == [0, 1, 2]
         assert sorted(set(run.quantities("GradNorm").step)) == [0, 1, 2]
         assert run.steps() == [0]

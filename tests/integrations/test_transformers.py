@@ -191,5 +191,6 @@ def test_close_with_the_error_marks_the_run_interrupted(hf, tmp_path):
         callback.close(error)
     with deepscope.open_run(tmp_path / "crash") as run:
         assert run.notes().text.tolist() == [f"{INTERRUPTED}: RuntimeError: boom in the loss"]
+        assert run.status() == f"{INTERRUPTED}: RuntimeError: boom in the loss"
         assert run.kpis("loss").step.tolist() == [0, 1]
         assert run.steps() == [0]

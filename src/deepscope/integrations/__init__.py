@@ -15,10 +15,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..recorder.scope import Scope
+from ..recorder.scope import Scope, interrupted_status
 from ..recorder.step import StepRecorder
-
-INTERRUPTED = "interrupted"  # the note that marks a run whose training raised
+from ..store.writer import INTERRUPTED as INTERRUPTED  # a run whose training raised
 
 
 def require(module: str, extra: str) -> ModuleType:
@@ -76,6 +75,5 @@ class CallbackRecorder:
         if scope is None or scope.closed:
             return
         if error is not None:
-            first_line = (str(error).splitlines() or [""])[0][:500]
-            scope.note(f"{INTERRUPTED}: {type(error).__name__}: {first_line}")
-        scope.close()
+            scope.note(interrupted_status(error))
+        scope.close(error)

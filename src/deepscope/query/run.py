@@ -63,6 +63,19 @@ class Run:
         """What the recorder stored about the run (schema version, schedule, torch, ...)."""
         return self._r(rank).meta()
 
+    def status(self, rank: int = 0) -> str:
+        """How the run (one rank) stands: "recording" (a writer holds it now), "finished"
+        (closed normally), "interrupted: <ErrorType>: <message>" (closed by an exception in
+        training), "crashed" (its writer died without closing it, e.g. killed: every
+        committed step is readable), or "unknown" (recorded before deepscope stored this)."""
+        stored = self.meta(rank).get("status")
+        if stored is None:
+            return "unknown"
+        if stored != "recording":
+            return str(stored)
+        from ..store.writer import RunLock  # the writer's lock tells a live run from a dead one
+        return "recording" if RunLock.is_held(self._files[rank]) else "crashed"
+
     def size_bytes(self) -> int:
         """Bytes on disk of all rank files (with their write-ahead logs)."""
         return sum(p.stat().st_size for f in self._files.values()

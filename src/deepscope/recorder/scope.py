@@ -23,7 +23,7 @@ from ..hookstate import hooks_paused
 from ..naming import named_leaves
 from ..store import limits
 from ..store.layout import check_run_name, rank_file, rank_files
-from ..store.writer import RunLock, StoreWriter
+from ..store.writer import FINISHED, INTERRUPTED, RunLock, StoreWriter
 from .buffers import BufferPool
 from .graph import ModuleCall, memory_region
 from .schedule import Schedule, as_schedule, every
@@ -412,8 +412,13 @@ class Scope:
         self._send_kpis()
         self.writer.flush()
 
-    def close(self) -> None:
-        """Commit what is queued, remove hooks, close the store. Idempotent."""
+    def close(self, error: BaseException | None = None) -> None:
+        """Commit what is queued, remove hooks, close the store. Idempotent.
+
+        error: the exception that ended training, if one did: the run is then stored as
+        "interrupted: <ErrorType>: <message>" (`Run.status`), else as "finished". Leaving a
+        `with Scope(...)` block by an exception passes it.
+        """
         if self.closed:
             return
         self.closed = True
@@ -425,14 +430,14 @@ class Scope:
         for part in (self.instruments, self.monitor):
             if part is not None:
                 self._guard(part.close)
-        self.writer.close()
+        self.writer.close(FINISHED if error is None else interrupted_status(error))
         self._call_on_anomaly(findings)
 
     def __enter__(self) -> Scope:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self.close(exc)
 
 
 class _Failed:
@@ -443,6 +448,12 @@ class _Failed:
 _FAILED = _Failed()
 
 
+def interrupted_status(error: BaseException) -> str:
+    """The stored status of a run that `error` ended: "interrupted: <ErrorType>: <line>"."""
+    first_line = (str(error).splitlines() or [""])[0][:500]
+    return f"{INTERRUPTED}: {type(error).__name__}" + (f": {first_line}" if first_line else "")
+
+
 def _default_rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -451,8 +462,10 @@ def _default_rank() -> int:
 @atexit.register
 def _close_open_scopes() -> None:
     """Commit queued steps of scopes the user forgot to close."""
+    # After an uncaught exception the interpreter keeps it in sys.last_value before exiting.
+    error = getattr(sys, "last_value", None)
     for scope in list(_open_scopes):
         try:
-            scope.close()
+            scope.close(error)
         except Exception:  # noqa: BLE001 - at exit, best effort
             pass

@@ -136,7 +136,14 @@ class _Warnings:
     warnings: list[InstrumentWarning]
 
 
+@dataclass
+class _Status:
+    status: str
+
+
 _STOP = object()
+# meta "status": how a run ended. A run still "recording" whose lock no writer holds crashed.
+RECORDING, FINISHED, INTERRUPTED = "recording", "finished", "interrupted"
 
 
 class RunLock:
@@ -309,6 +316,7 @@ class StoreWriter:
                 **{k: json.dumps(v) for k, v in meta.items()}, "run_id": json.dumps(self.run_id)}
         if not stored:
             rows["created"] = json.dumps(time.time())
+        rows["status"] = json.dumps(RECORDING)  # until close() says how it ended
         con.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", list(rows.items()))
         self._tensor_ids = dict(con.execute("SELECT name, id FROM tensors").fetchall())
 
@@ -387,8 +395,12 @@ class StoreWriter:
             raise RecordingError(f"{self.path}: not everything recorded is on disk: "
                                  f"{'; '.join(lost)}; committed steps stay readable")
 
-    def close(self) -> None:
+    def close(self, status: str = FINISHED) -> None:
+        """Commit what is queued, store how the run ended (`status`: "finished" or
+        "interrupted: <why>"), stop the writer thread and release the run's lock."""
         if self._thread.is_alive():
+            if not self.failed:
+                self._queue.put(_Status(status))
             self._queue.put(_STOP)
             self._thread.join()
         if self._forked_from is None:
@@ -509,6 +521,9 @@ class StoreWriter:
                 self._write_anomalies(item.rows)
             elif isinstance(item, _Warnings):
                 self._write_warnings(item.warnings)
+            elif isinstance(item, _Status):
+                con.execute("INSERT OR REPLACE INTO meta VALUES ('status', ?)",
+                            (json.dumps(item.status),))
             # Every transaction repeats the run id: the last commit in a -wal file then says
             # which database the file belongs to (checked against the lock file on open).
             con.execute("INSERT OR REPLACE INTO meta VALUES ('run_id', ?)",
