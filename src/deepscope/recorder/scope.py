@@ -86,6 +86,9 @@ class Scope:
         self.exact_views = exact_views
         self.rank = _default_rank() if rank is None else rank
         self.run_dir = Path(path) / run
+        if instruments is not None:  # a typo fails here, not at watch()
+            from ..instruments.config import resolve_quantities
+            resolve_quantities(instruments)
         self._instrument_spec = instruments
         self._instrument_schedule = (self.schedule if instrument_schedule is None
                                      else as_schedule(instrument_schedule))
