@@ -167,7 +167,7 @@ def _register_notes(app: dash.Dash, project: ProjectData) -> None:
         found = _shown_frame(project, tab, "anomalies", run, lambda r: r.anomalies())
         if found.empty:
             return html.P(f"No anomalies recorded in {run}.", className="hint")
-        cols = ["step", "tensor", "detector", "value", "threshold", "message"]
+        cols = ["step", "kind", "tensor", "detector", "value", "threshold", "message"]
         return _list_table(cols, [
             [html.Td(panels.fmt(v) if isinstance(v, float) else v) for v in row]
             for row in found[cols].itertuples(index=False)])

@@ -310,10 +310,14 @@ class Run:
         return r.decode_array(dtype, shape, data), r.decode_json(meta, "histogram metadata")
 
     def anomalies(self, rank: int = 0) -> pd.DataFrame:
-        rows = self._r(rank).query("SELECT step, tensor, detector, value, threshold, message "
-                                   "FROM anomalies ORDER BY step, id")
-        return pd.DataFrame(rows, columns=["step", "tensor", "detector", "value", "threshold",
-                                           "message"])
+        """Health-check findings: step, kind (of the step; "" if it was neither recorded nor
+        logged a KPI), tensor, detector, value, threshold, message."""
+        rows = self._r(rank).query(
+            "SELECT a.step, COALESCE((SELECT kind FROM steps s WHERE s.step = a.step), "
+            "(SELECT kind FROM kpis k WHERE k.step = a.step LIMIT 1), ''), a.tensor, "
+            "a.detector, a.value, a.threshold, a.message FROM anomalies a ORDER BY a.step, a.id")
+        return pd.DataFrame(rows, columns=["step", "kind", "tensor", "detector", "value",
+                                           "threshold", "message"])
 
 
 def open_run(path: str | Path) -> Run:
