@@ -9,6 +9,7 @@ import torch
 import deepscope
 from deepscope.gui import panels
 from deepscope.gui.data import ProjectData
+from deepscope.gui.figures import share_scale, values_figure
 from deepscope.gui.selection import Request, resolve
 from deepscope.store.schema import STAT_COLUMNS
 
@@ -58,3 +59,19 @@ def test_stats_table_of_a_batch_item_is_that_items_statistics(data: ProjectData)
     header = [th.children for th in panels.stats_table(data.run("r"), whole)[1]
               .children[1].children.children]
     assert header == ["statistic", "forward"]
+
+
+def test_compare_columns_share_one_value_scale() -> None:
+    a = values_figure(np.array([0.5, 1.0, 2.0]), "a")
+    b = values_figure(np.array([-4.0, 1.0]), "b")
+    share_scale(a, b)
+    lo, hi = a["layout"]["yaxis"]["range"]
+    assert lo < -4.0 and 2.0 < hi < 2.5
+    heat_a = values_figure(np.array([[1.0, -2.0]]), "a")
+    share_scale(heat_a, values_figure(np.array([[3.0, 0.0]]), "b"))
+    assert (heat_a["data"][0]["zmin"], heat_a["data"][0]["zmax"]) == (-3.0, 3.0)
+
+
+def test_the_mode_bar_stays_off_the_titles() -> None:
+    layout = values_figure(np.zeros(3), "a long title")["layout"]
+    assert layout["modebar"]["orientation"] == "v" and layout["margin"]["r"] >= 30

@@ -50,6 +50,7 @@ class Run:
 
     @property
     def ranks(self) -> list[int]:
+        """The process ranks that wrote this run (one database each), ascending."""
         return list(self._files)
 
     def _r(self, rank: int) -> StoreReader:
@@ -84,6 +85,7 @@ class Run:
                        + (", ".join(map(str, near)) or "none (no recorded step)"))
 
     def close(self) -> None:
+        """Close the open databases (a later call reopens them)."""
         for r in self._readers.values():
             r.close()
         self._readers.clear()
@@ -105,6 +107,7 @@ class Run:
                    for p in (f, f.with_name(f.name + "-wal")) if p.exists())
 
     def kinds(self, rank: int = 0) -> list[str]:
+        """Step kinds seen in recorded steps or logged KPIs, sorted."""
         rows = self._r(rank).query(
             "SELECT kind FROM steps UNION SELECT kind FROM kpis ORDER BY 1")
         return [k for (k,) in rows]
@@ -262,6 +265,7 @@ class Run:
         return df.astype({"value": float})
 
     def notes(self, rank: int = 0) -> pd.DataFrame:
+        """Notes (`scope.note`): wall_time (seconds since the epoch), step, text."""
         rows = self._r(rank).query("SELECT wall_time, step, text FROM notes ORDER BY id")
         return pd.DataFrame(rows, columns=["wall_time", "step", "text"])
 
