@@ -76,7 +76,7 @@ def _hyperparameters(fig: Figure, cell: SubplotSpec, data: DashboardData,
     logged = [n for n in LEARNING_RATE_KPIS if n in data.kpi_names()]
     draw_series(panel_axes(fig, cell, "hyperparameters", "Hyperparameters"), data,
                 logged[:1] or ["learning_rate"], log_steps=log_steps,
-                hint='log it: rec.kpi("learning_rate", lr)')
+                hint='pass scope.watch(model, optimizer=opt) or log rec.kpi("learning_rate", lr)')
 
 
 def _performance(fig: Figure, cell: SubplotSpec, data: DashboardData, log_steps: bool) -> None:
