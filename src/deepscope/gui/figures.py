@@ -120,13 +120,6 @@ def step_marker(step: int | None) -> list[dict[str, Any]]:
              "y1": 1, "line": {"color": "#999", "width": 1, "dash": "dot"}}]
 
 
-def log_axis_fits(values: Sequence[Any]) -> bool:
-    """Log scale suits strictly positive data spanning more than two decades."""
-    v = np.asarray([x for x in values if x is not None], dtype=float)
-    v = v[np.isfinite(v)]
-    return bool(v.size) and bool((v > 0).all()) and float(v.max() / v.min()) > 100
-
-
 def values_figure(values: np.ndarray, title: str, *, xtitle: str = "neuron") -> Figure:
     """A bar chart for 1-D values, a heatmap for 2-D (rows x columns)."""
     if values.ndim <= 1:

@@ -13,7 +13,7 @@ from dash import dcc, html
 
 from ..store.schema import STAT_COLUMNS
 from . import graph_view
-from .instruments import PER_LAYER, SECTIONS
+from .instruments import PANELS, PER_LAYER, SECTIONS
 
 POLL_MS = 2000
 GRAPH_CONFIG = {"displaylogo": False, "responsive": True,
@@ -132,7 +132,8 @@ def instruments_tab() -> html.Div:
     for title, keys in SECTIONS:
         sections.append(html.Section([
             html.H2(title),
-            html.Div([_graph(f"inst-{k}", 240) for k in keys], className="panel-grid"),
+            html.Div([_graph(f"inst-{k}", PANELS[k].height) for k in keys],
+                     className="panel-grid"),
         ], className="card"))
     return html.Div([
         html.Div([_labelled("Layer", _dropdown("inst-layer", value="")),

@@ -1,0 +1,166 @@
+"""Readable value axes for series over steps: a range that fits the bulk of the points with
+the outliers marked at its edge, log ticks one per decade, and one axis per quantity when
+quantities drawn together differ in scale.
+
+A few spikes (α of −1100 among values near 0, a TICDiag burst) would otherwise set the axis
+range and flatten every other point into a line.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .figures import Figure, base_layout, note
+
+# The range holds every point within FENCE interquartile ranges of the middle half (Tukey's
+# far-out fences are 3): only points far from the bulk are clipped, and drawn at the edge.
+FENCE = 3.0
+SCALE_RATIO = 10.0  # quantities whose typical sizes differ more than this get their own axis
+
+
+def _finite(values: Sequence[Any]) -> np.ndarray:
+    v = np.asarray([np.nan if x is None else x for x in values], dtype=float)
+    return v[np.isfinite(v)]
+
+
+def log_fits(values: Sequence[Any]) -> bool:
+    """Log scale suits strictly positive data whose bulk spans more than two decades."""
+    v = _finite(values)
+    if not v.size or (v <= 0).any():
+        return False
+    lo, hi = robust_range(v, log=True) or (0.0, 0.0)
+    return hi - lo > 2
+
+
+def robust_range(values: Sequence[Any], log: bool = False) -> tuple[float, float] | None:
+    """(lo, hi) of the axis in data units (log10 units for a log axis), or None to let plotly
+    choose (no finite value). Points outside it are outliers (see `outlier_trace`)."""
+    v = _finite(values)
+    if log:
+        v = np.log10(v[v > 0])
+    if not v.size:
+        return None
+    q1, q3 = np.percentile(v, (25.0, 75.0))
+    lo = max(float(v.min()), q1 - FENCE * (q3 - q1))
+    hi = min(float(v.max()), q3 + FENCE * (q3 - q1))
+    pad = 0.06 * (hi - lo) if hi > lo else (0.5 if log else 0.1 * abs(hi) or 1.0)
+    return lo - pad, hi + pad
+
+
+def outlier_trace(trace: dict[str, Any], bounds: tuple[float, float], log: bool
+                  ) -> dict[str, Any] | None:
+    """Markers at the axis edge for the points of `trace` outside `bounds` (▲ above, ▼ below),
+    their hover text giving the true value; None when every point is inside."""
+    lo, hi = (10 ** b for b in bounds) if log else bounds
+    xs, ys, symbols, text = [], [], [], []
+    for x, y in zip(trace["x"], trace["y"]):
+        if y is None or lo <= y <= hi:
+            continue
+        above = y > hi
+        xs.append(x)
+        ys.append(hi if above else lo)
+        symbols.append("triangle-up" if above else "triangle-down")
+        text.append(f"{trace['name']}: {y:.4g} at step {x} (outside the range)")
+    if not xs:
+        return None
+    out = {"type": "scatter", "mode": "markers", "x": xs, "y": ys, "text": text,
+           "hovertemplate": "%{text}<extra></extra>", "showlegend": False,
+           "cliponaxis": False, "name": f"{trace['name']} outside",
+           "marker": {"symbol": symbols, "size": 9, "color": trace["line"]["color"],
+                      "line": {"width": 1, "color": "#333"}}}
+    if trace.get("yaxis"):
+        out["yaxis"] = trace["yaxis"]
+    return out
+
+
+def value_axis(traces: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], list[dict], int]:
+    """Axis settings fitted to `traces` (all on one axis), their outlier markers, and how many
+    points lie outside the range."""
+    values = [y for t in traces for y in t["y"]]
+    log = log_fits(values)
+    axis: dict[str, Any] = {"type": "log", "dtick": 1, "exponentformat": "power",
+                            "minor": {"showgrid": False}} if log else {}
+    bounds = robust_range(values, log)
+    if bounds is None:
+        return axis, [], 0
+    axis.update(range=list(bounds), autorange=False)
+    marks = [m for m in (outlier_trace(t, bounds, log) for t in traces) if m]
+    return axis, marks, sum(len(m["x"]) for m in marks)
+
+
+def _typical(trace: dict[str, Any]) -> float:
+    v = np.abs(_finite(trace["y"]))
+    return float(np.median(v)) if v.size else math.nan
+
+
+def scale_groups(traces: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The traces grouped so that typical magnitudes within a group differ at most
+    `SCALE_RATIO`-fold (smallest first); a trace without a typical size joins the first."""
+    sized = sorted((s, i) for i, s in enumerate(map(_typical, traces))
+                   if math.isfinite(s) and s > 0)
+    groups: list[list[int]] = []
+    for size, i in sized:
+        if groups and size <= SCALE_RATIO * _typical(traces[groups[-1][0]]):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    rest = [i for i in range(len(traces)) if all(i not in g for g in groups)]
+    if not groups:
+        return [list(traces)] if traces else []
+    groups[0] += rest
+    return [[traces[i] for i in sorted(g)] for g in sorted(groups, key=min)]
+
+
+def series_figure(title: str, left: list[dict[str, Any]], right: Sequence[dict[str, Any]] = (),
+                  *, height: int = 240, remark: str = "") -> Figure:
+    """A chart of lines over steps with readable value axes, `height` pixels in all.
+
+    `left` traces share the left axis while their scales agree; quantities of different
+    scale get one axis each, stacked in rows over one step axis (each row labelled).
+    `right` traces share a right axis (a second unit, e.g. UpdateSize beside Distance).
+    `remark` (what is missing) heads the grey note at the top right. `left` is not empty.
+    """
+    rows = scale_groups(left)
+    n = len(rows)
+    layout = base_layout(title, height=height, showlegend=n == 1)
+    data: list[dict[str, Any]] = []
+    outside = 0
+    gap = 0.1 if n > 1 else 0.0
+    labels = []
+    plain = layout["yaxis"]  # each row starts from the common look, not the row above
+    for i, row in enumerate(rows):
+        name, key = ("y", "yaxis") if i == 0 else (f"y{i + 1}", f"yaxis{i + 1}")
+        axis, marks, k = value_axis(row)
+        outside += k
+        top = 1 - i / n
+        axis["domain"] = [max(0.0, top - 1 / n + (gap if i < n - 1 else 0.0)), top]
+        for t in row + marks:
+            t["yaxis"] = name
+        layout[key] = {**plain, **axis}
+        data += row + marks
+        if n > 1:  # the row's quantities, in their colours, above its top left corner
+            labels.append({"text": " · ".join(
+                f"<span style='color:{t['line']['color']}'>{t['name']}</span>" for t in row),
+                "showarrow": False, "xref": "paper", "yref": "paper", "x": 0,
+                "y": top, "xanchor": "left", "yanchor": "bottom", "font": {"size": 10}})
+    layout["xaxis"] = {**layout["xaxis"], "anchor": "y" if n == 1 else f"y{n}"}  # below
+    if right:
+        axis, marks, k = value_axis(list(right))
+        outside += k
+        for t in list(right) + marks:
+            t["yaxis"] = f"y{n + 1}"
+        layout[f"yaxis{n + 1}"] = {"overlaying": "y", "side": "right", "showgrid": False,
+                                   "automargin": True, "zeroline": False, **axis}
+        data += list(right) + marks
+    remarks = [remark] if remark else []
+    if outside:
+        remarks.append(f"▲▼ {outside} point{'s' * (outside != 1)} outside the range (hover)")
+    if remarks:
+        labels.insert(0, note(" · ".join(remarks)))
+    if labels:
+        layout["annotations"] = labels
+    return {"data": data, "layout": layout}
