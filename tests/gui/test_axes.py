@@ -78,3 +78,10 @@ def test_each_row_chooses_its_own_scale_type() -> None:
     stop = line_trace("EarlyStopping", steps, np.linspace(-3.0, 1.0, 40), 1)
     layout = series_figure("snr", [cabs, stop])["layout"]
     assert layout["yaxis"]["type"] == "log" and "type" not in layout["yaxis2"]
+
+
+def test_heavy_tails_still_leave_nine_in_ten_points_inside() -> None:
+    rng = np.random.default_rng(1)
+    tic = rng.standard_t(1, 75) * 10  # Cauchy-like: the demo's TICDiag
+    lo, hi = robust_range(tic)
+    assert _inside(tic, (lo, hi)) >= 0.9

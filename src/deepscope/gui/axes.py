@@ -14,39 +14,21 @@ from typing import Any
 
 import numpy as np
 
+from ..ranges import bulk_range, finite, log_fits, shared_range
 from .figures import Figure, base_layout, note
 
-# The range holds every point within FENCE interquartile ranges of the middle half (Tukey's
-# far-out fences are 3): only points far from the bulk are clipped, and drawn at the edge.
-FENCE = 3.0
 SCALE_RATIO = 10.0  # quantities whose typical sizes differ more than this get their own axis
 
 
-def _finite(values: Sequence[Any]) -> np.ndarray:
-    v = np.asarray([np.nan if x is None else x for x in values], dtype=float)
-    return v[np.isfinite(v)]
-
-
-def log_fits(values: Sequence[Any]) -> bool:
-    """Log scale suits strictly positive data whose bulk spans more than two decades."""
-    v = _finite(values)
-    if not v.size or (v <= 0).any():
-        return False
-    lo, hi = robust_range(v, log=True) or (0.0, 0.0)
-    return hi - lo > 2
-
-
-def robust_range(values: Sequence[Any], log: bool = False) -> tuple[float, float] | None:
-    """(lo, hi) of the axis in data units (log10 units for a log axis), or None to let plotly
-    choose (no finite value). Points outside it are outliers (see `outlier_trace`)."""
-    v = _finite(values)
-    if log:
-        v = np.log10(v[v > 0])
-    if not v.size:
+def robust_range(values: Sequence[Any], log: bool = False, *,
+                 series: Sequence[Sequence[Any]] = ()) -> tuple[float, float] | None:
+    """(lo, hi) of the axis in data units (log10 units for a log axis): the points' bulk
+    (see `ranges.bulk_range`; with `series`, the union of each one's), padded; None to let
+    plotly choose (no finite value)."""
+    bulk = shared_range(series, log) if series else bulk_range(values, log)
+    if bulk is None:
         return None
-    q1, q3 = np.percentile(v, (25.0, 75.0))
-    lo = max(float(v.min()), q1 - FENCE * (q3 - q1))
-    hi = min(float(v.max()), q3 + FENCE * (q3 - q1))
+    lo, hi = bulk
     pad = 0.06 * (hi - lo) if hi > lo else (0.5 if log else 0.1 * abs(hi) or 1.0)
     return lo - pad, hi + pad
 
@@ -84,7 +66,7 @@ def value_axis(traces: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], list[d
     log = log_fits(values)
     axis: dict[str, Any] = {"type": "log", "dtick": 1, "exponentformat": "power",
                             "minor": {"showgrid": False}} if log else {}
-    bounds = robust_range(values, log)
+    bounds = robust_range(values, log, series=[t["y"] for t in traces])
     if bounds is None:
         return axis, [], 0
     axis.update(range=list(bounds), autorange=False)
@@ -93,7 +75,7 @@ def value_axis(traces: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], list[d
 
 
 def _typical(trace: dict[str, Any]) -> float:
-    v = np.abs(_finite(trace["y"]))
+    v = np.abs(finite(trace["y"]))
     return float(np.median(v)) if v.size else math.nan
 
 
