@@ -80,6 +80,8 @@ def explorer_tab() -> html.Div:
             _labelled("Kind", _dropdown("kind")),
             _labelled("Iteration", _dropdown("iteration")),
             _labelled("Colour by", _dropdown("colour-by", options=COLOUR_OPTIONS, value="role")),
+            dcc.Checklist(id="colour-shared", value=["shared"], className="radio",
+                          options=[{"label": "one scale for all runs", "value": "shared"}]),
         ], className="toolbar"),
         cyto.Cytoscape(
             id="graph", elements=[], stylesheet=graph_view.stylesheet(),
