@@ -85,3 +85,12 @@ def test_heavy_tails_still_leave_nine_in_ten_points_inside() -> None:
     tic = rng.standard_t(1, 75) * 10  # Cauchy-like: the demo's TICDiag
     lo, hi = robust_range(tic)
     assert _inside(tic, (lo, hi)) >= 0.9
+
+
+def test_a_right_axis_has_its_own_ticks_and_room_beside_the_mode_bar() -> None:
+    steps = np.arange(20)
+    fig = series_figure("d", [line_trace("Distance", steps, np.linspace(0, 8, 20))],
+                        [line_trace("UpdateSize", steps, np.linspace(0.01, 0.06, 20), 1)])
+    layout = fig["layout"]
+    assert layout["yaxis2"]["tickmode"] == "auto" and layout["yaxis2"]["overlaying"] == "y"
+    assert layout["margin"]["r"] >= 80 and fig["data"][1]["yaxis"] == "y2"

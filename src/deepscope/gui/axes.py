@@ -135,8 +135,12 @@ def series_figure(title: str, left: list[dict[str, Any]], right: Sequence[dict[s
         outside += k
         for t in list(right) + marks:
             t["yaxis"] = f"y{n + 1}"
+        # own round ticks ("sync" would put them at the left axis' grid lines: 0.0347, ...)
         layout[f"yaxis{n + 1}"] = {"overlaying": "y", "side": "right", "showgrid": False,
-                                   "automargin": True, "zeroline": False, **axis}
+                                   "automargin": True, "zeroline": False, "tickmode": "auto",
+                                   **axis}
+        # the upright mode bar needs its own strip right of the axis' labels
+        layout["margin"] = {**layout["margin"], "r": layout["margin"]["r"] + 50}
         data += list(right) + marks
     remarks = [remark] if remark else []
     if outside:
