@@ -20,8 +20,9 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# make demo PORT=8060 serves the GUI on another port.
 demo: $(STAMP)
-	$(BIN)/deepscope demo
+	$(BIN)/deepscope demo $(if $(PORT),--port $(PORT))
 
 # Options of benchmarks/run.py (--help) pass through, e.g. make bench BENCH_ARGS="--repeats 5".
 bench: $(STAMP)

@@ -578,6 +578,20 @@ def test_doctor_reports_the_first_nonfinite_and_where_to_look(tmp_path, capsys):
     assert "FIRST NON-FINITE VALUE" in capsys.readouterr().out
 
 
+def test_doctor_group_hints_name_steps_and_tensors_and_findings_have_kinds(tmp_path):
+    run = _run_with_findings(tmp_path, [
+        (3, "net.0", "exploding_gradient", 14.2, 10.0, "gradient norm of net.0 ..."),
+        (4, "net.1", "exploding_gradient", 15.0, 10.0, "gradient norm of net.1 ..."),
+        (6, "loss", "loss_spike", 4.0, 3.0, "loss 9 is 4× the median"),
+    ])
+    text = report(run)
+    assert "<tensor>" not in text and "<step>" not in text
+    assert "Instruments tab, GradNorm of layer net.0, net.1" in text
+    assert "KPIs tab, loss around step 6" in text
+    with deepscope.open_run(run) as r:
+        assert list(r.anomalies()["kind"]) == ["default"] * 3
+
+
 def test_doctor_on_a_clean_run_a_project_and_a_bad_path(tmp_path, capsys):
     run = _run_with_findings(tmp_path, [])
     assert "no anomalies recorded" in report(run)

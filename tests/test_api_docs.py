@@ -25,3 +25,10 @@ def test_every_public_name_has_a_docstring():
                if not n.startswith("_") and callable(getattr(deepscope, n))
                and not (getattr(deepscope, n).__doc__ or "").strip()]
     assert missing == []
+
+
+def test_reference_shows_annotations_as_written_and_documents_every_member():
+    text = _tool().render()
+    assert "'None'" not in text and "-> 'pd.DataFrame'" not in text
+    assert "## `deepscope.Run(path: str | Path)`" in text  # a class: no "-> None"
+    assert "(no docstring)" not in text

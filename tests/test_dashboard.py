@@ -120,15 +120,23 @@ def test_every_panel_draws_from_synthetic_quantities(tmp_path):
     assert len(_panel(fig, "tests").patches) == 3  # norm disc, inner band, ortho band
     assert _line(_panel(fig, "hyperparameters"), "learning_rate").get_label().endswith("0.1")
     assert _line(_panel(fig, "performance"), "loss")
-    assert "synthetic (step 7)" in fig.get_suptitle()
+    # the title names the step the instrument panels and the histograms show
+    assert "synthetic (instruments at step 7)" in fig.get_suptitle()
 
 
-def test_panels_without_values_say_not_tracked(tmp_path):
+def test_only_tracked_panels_are_drawn(tmp_path):
     fig = plot_dashboard(_write_run(tmp_path, names=("Loss", "GradNorm"), kpis=False))
+    drawn = {ax.get_label() for ax in fig.axes}
     for key in ("alpha", "distance", "tests", "hist1d", "hist2d", "hessmaxev", "hesstrace",
-                "tic", "hyperparameters"):
-        texts = [t.get_text() for t in _panel(fig, key).texts]
-        assert any(t.startswith("not tracked") for t in texts), key
+                "tic"):
+        assert f"panel:{key}" not in drawn, key
+    groups = {ax.get_label(): [t.get_text() for t in ax.texts] for ax in fig.axes
+              if ax.get_label().startswith("group:")}
+    assert groups["group:CURVATURE"] == ["not tracked in this run:\n"
+                                         "HessMaxEV, HessTrace, TICDiag, TICTrace"]
+    assert groups["group:STEP SIZE"] == []  # GradNorm is drawn there
+    texts = [t.get_text() for t in _panel(fig, "hyperparameters").texts]
+    assert any(t.startswith("not tracked") and "optimizer=" in t for t in texts)
     assert not _panel(fig, "gradnorm").texts
     assert _line(_panel(fig, "performance"), "Loss")  # the quantity, as no loss KPI exists
 
@@ -139,7 +147,7 @@ def test_declared_instruments_without_values_yet(tmp_path):
     scope.close()
     fig = plot_dashboard(scope.run_dir)
     assert [t.get_text() for t in _panel(fig, "alpha").texts] == ["tracked, no value yet"]
-    assert [t.get_text() for t in _panel(fig, "hessmaxev").texts] == ["not tracked"]
+    assert "panel:hessmaxev" not in {ax.get_label() for ax in fig.axes}  # economy
     assert "no values yet" in fig.get_suptitle()
 
 

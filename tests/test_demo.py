@@ -76,7 +76,7 @@ def test_recording_has_kinds_iterations_graph_and_notes(demo: Path) -> None:
         assert ("target", "loss_per_sample", 0) in edges
         assert run.values("loss_per_sample", step, view="samples", iteration=3).shape == (4,)
         assert any("the bug" in text for text in run.notes()["text"])
-        assert set(run.kpis()["name"]) == {"loss", "accuracy"}
+        assert set(run.kpis()["name"]) == {"loss", "accuracy", "learning_rate"}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepscope.instruments.suite") is None,

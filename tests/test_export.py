@@ -86,3 +86,22 @@ def test_nan_kpi_survives(tmp_path):
         with scope.step(0) as rec:
             rec.kpi("loss", torch.tensor(float("nan")))
     assert np.isnan(deepscope.open_run(tmp_path / "n").kpis("loss")["value"][0])
+
+
+@pytest.mark.parametrize("option", ["--parquet", "--tensorboard"])
+def test_export_onto_a_file_is_one_line_naming_the_option(run_path, tmp_path, capsys, option):
+    (tmp_path / "x.png").write_bytes(b"an image")
+    assert cli(["export", str(run_path), option, str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{option} {tmp_path / 'x.png'}: that is a file" in err and "Errno" not in err
+    assert (tmp_path / "x.png").read_bytes() == b"an image"
+
+
+def test_ls_marks_a_cut_kinds_column(tmp_path, capsys):
+    with deepscope.Scope(tmp_path, "r", schedule=1) as scope:
+        for step in range(4):
+            with scope.step(step, kind=f"kind_{step:02d}") as rec:
+                rec.tensor("x", torch.ones(2), role="input")
+    assert cli(["ls", str(tmp_path)]) == 0
+    row = capsys.readouterr().out.splitlines()[1]
+    assert "kind_00,kind_01,kin… " in row

@@ -58,6 +58,15 @@ def recorded(tmp: Path, steps: int = 1) -> deepscope.Run:
     return deepscope.open_run(tmp / "r")
 
 
+def gapped(tmp: Path) -> deepscope.Run:
+    """A run that recorded steps 0 and 2."""
+    with recording(tmp) as scope:
+        for step in (0, 2):
+            with scope.step(step) as rec:
+                rec.tensor("x", torch.ones(2, 3), role="input")
+    return deepscope.open_run(tmp / "r")
+
+
 def twice(tmp: Path) -> None:
     recorded(tmp)
     recording(tmp)
@@ -232,8 +241,8 @@ CASES = [
          lambda t: deepscope.Scope(t, "r", on_full="wait")),
     Case("Recording", 'Scope(a_file, "r")',
          lambda t: deepscope.Scope(t.parent / "file.txt", "r")),
-    Case("Recording", 'Scope(path, "r", instruments="turbo"); scope.watch(model)',
-         on_scope(lambda s: s.watch(torch.nn.Linear(2, 1)), instruments="turbo")),
+    Case("Recording", 'Scope(path, "r", instruments="fulll")',
+         on_scope(lambda s: s.watch(torch.nn.Linear(2, 1)), instruments="fulll")),
     Case("Recording", 'scope.watch("model")', on_scope(lambda s: s.watch("model"))),
     Case("Recording", "scope.note(3)", on_scope(lambda s: s.note(3))),
     Case("Recording", 'scope.step("4")', on_scope(lambda s: s.step("4"))),
@@ -281,6 +290,10 @@ CASES = [
          lambda t: (recorded(t), deepscope.open_project(t).run("c"))),
     Case("Reading", 'run.stats("x", statistic="median")',
          lambda t: recorded(t).stats("x", statistic="median")),
+    Case("Reading", 'run.stats("y")', lambda t: recorded(t).stats("y")),
+    Case("Reading", 'run.kpis("acuracy")', lambda t: recorded(t).kpis("acuracy")),
+    Case("Reading", 'run.values("x", 1) of a run that recorded steps 0 and 2',
+         lambda t: gapped(t).values("x", 1)),
     Case("Reading", 'run.values("x", 0, view="nope")',
          lambda t: recorded(t).values("x", 0, view="nope")),
     Case("Reading", "run.meta(rank=3)", lambda t: recorded(t).meta(rank=3)),

@@ -15,11 +15,28 @@ import deepscope
 OUT = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 
 
+class _Written(str):
+    """An annotation as written in the source: shown without the quotes of its repr."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _written(annotation: object) -> object:
+    return _Written(annotation) if isinstance(annotation, str) else annotation
+
+
 def _signature(obj: object) -> str:
+    """The call signature with annotations as written; a class without its `-> None`."""
     try:
-        return str(inspect.signature(obj))
+        sig = inspect.signature(obj)
     except (TypeError, ValueError):
         return "(...)"
+    returns = inspect.Signature.empty if inspect.isclass(obj) else sig.return_annotation
+    return str(sig.replace(
+        parameters=[p.replace(annotation=_written(p.annotation))
+                    for p in sig.parameters.values()],
+        return_annotation=_written(returns)))
 
 
 def _doc(obj: object) -> str:

@@ -76,7 +76,7 @@ def _findings_report(run: Run, rank: int, limit: int) -> str:
     for detector, rows in found.groupby("detector", sort=False):
         if detector == "nonfinite":
             continue
-        lines += ["", f"{detector} ({len(rows)}) — look: {_where(rows.iloc[0], generic=True)}"]
+        lines += ["", f"{detector} ({len(rows)}) — look: {_where_group(rows)}"]
         for row in rows.head(limit).itertuples(index=False):
             lines.append(f"  step {int(row.step):>7}  {row.tensor:<32} {_num(row.value):>10} "
                          f"(threshold {_num(row.threshold)})  {row.message}")
@@ -105,11 +105,18 @@ def _warnings_text(run: Run, rank: int) -> str:
     return "\n".join(lines)
 
 
-def _where(row: pd.Series, generic: bool = False) -> str:
+def _where(row: pd.Series) -> str:
     text = _WHERE.get(str(row["detector"]), _DEFAULT_WHERE)
-    if generic:  # the hint for a group of findings: each row names its step and tensor
-        return text.format(step="<step>", tensor="<tensor>")
     return text.format(step=int(row["step"]), tensor=row["tensor"])
+
+
+def _where_group(rows: pd.DataFrame, shown: int = 3) -> str:
+    """The hint for a group of findings of one detector, naming their steps and tensors."""
+    def some(values: list) -> str:
+        return ", ".join(map(str, values[:shown])) + (" ..." if len(values) > shown else "")
+    text = _WHERE.get(str(rows["detector"].iloc[0]), _DEFAULT_WHERE)
+    return text.format(step=some([int(s) for s in rows["step"].unique()]),
+                       tensor=some(list(rows["tensor"].unique())))
 
 
 def _recorded_from(recorded: list[int], step: int, n: int = 5) -> str:

@@ -47,10 +47,15 @@ def ls(args: argparse.Namespace) -> int:
             kinds = clean(",".join(run.kinds()))  # a newline in a kind would forge a row
             first, last = (steps[0], steps[-1]) if steps else ("-", "-")
             print(f"{name:<24} {len(steps):>9} {first!s:>7} {last!s:>7} {kpi_steps:>9} "
-                  f"{kinds[:20]:<20} {_size(run.size_bytes()):>9}")
+                  f"{_cut(kinds, 20):<20} {_size(run.size_bytes()):>9}")
         finally:
             run.close()
     return 0
+
+
+def _cut(text: str, width: int) -> str:
+    """`text` in at most `width` characters, an ellipsis marking a cut."""
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def _size(n: float) -> str:

@@ -70,6 +70,9 @@ class DashboardData:
         self._declared = declared
         steps = pd.concat([quantities["step"], kpis["step"]])
         self.last_step: int | None = int(steps.max()) if len(steps) else None
+        # the step the instrument panels (histograms included) show
+        self.last_quantity_step: int | None = (int(quantities["step"].max())
+                                               if len(quantities) else None)
 
     @classmethod
     def load(cls, run: Run, step: int | None = None) -> DashboardData:

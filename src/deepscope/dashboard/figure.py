@@ -26,6 +26,7 @@ from .panels import (
     PRIMARY,
     SECONDARY,
     TERTIARY,
+    TESTS,
     draw_alpha,
     draw_gradient_tests,
     draw_hist1d,
@@ -76,7 +77,7 @@ def _hyperparameters(fig: Figure, cell: SubplotSpec, data: DashboardData,
     logged = [n for n in LEARNING_RATE_KPIS if n in data.kpi_names()]
     draw_series(panel_axes(fig, cell, "hyperparameters", "Hyperparameters"), data,
                 logged[:1] or ["learning_rate"], log_steps=log_steps,
-                hint='log it: rec.kpi("learning_rate", lr)')
+                hint='pass scope.watch(model, optimizer=opt) or log rec.kpi("learning_rate", lr)')
 
 
 def _performance(fig: Figure, cell: SubplotSpec, data: DashboardData, log_steps: bool) -> None:
@@ -103,6 +104,12 @@ PANELS: dict[str, Drawer] = {
     "tic": _series("tic", "Takeuchi information criterion", ("TICDiag", "TICTrace")),
     "hyperparameters": _hyperparameters,
     "performance": _performance,
+}
+# The quantities each instrument panel draws: a panel none of them was tracked for is left out.
+PANEL_QUANTITIES: dict[str, tuple[str, ...]] = {
+    "alpha": ("Alpha",), "distance": ("Distance", "UpdateSize"), "gradnorm": ("GradNorm",),
+    "tests": TESTS, "hist1d": ("GradHist1d",), "hist2d": ("GradHist2d",),
+    "hessmaxev": ("HessMaxEV",), "hesstrace": ("HessTrace",), "tic": ("TICDiag", "TICTrace"),
 }
 GROUPS: tuple[tuple[str, str, tuple[str, str, str]], ...] = (
     ("STEP SIZE", PRIMARY, ("alpha", "distance", "gradnorm")),
@@ -160,15 +167,30 @@ def _draw(fig: Figure, data: DashboardData, title: str | None, log_steps: bool) 
         background.set_yticks([])
         background.set_zorder(-1)
         inner = cell.subgridspec(5, 3, width_ratios=[0.1, 1, 0.05],
-                                 height_ratios=[0.02, 1, 1, 1, 0.1], hspace=0.6)
-        for row, key in enumerate(keys):
+                                 height_ratios=[0.02, 1, 1, 1, 0.1], hspace=0.95)
+        tracked = [k for k in keys if any(map(data.tracked, PANEL_QUANTITIES[k]))]
+        for row, key in enumerate(tracked):  # only what the run tracked, from the top
             _panel(fig, inner[row + 1, 1], key, data, log_steps)
+        if not tracked:
+            names = ", ".join(dict.fromkeys(q for k in keys for q in PANEL_QUANTITIES[k]))
+            message(background, f"not tracked in this run:\n{names}")
     _panel(fig, outer[1, 0], "hyperparameters", data, log_steps)
     _panel(fig, outer[1, 1:], "performance", data, log_steps)
     if title is None:
-        at = "no values yet" if data.last_step is None else f"step {data.last_step}"
-        title = f"deepscope cockpit: {data.name} ({at})"
+        title = f"deepscope cockpit: {data.name} ({_shown_steps(data)})"
     fig.suptitle(title, fontsize=14, fontweight="bold")
+
+
+def _shown_steps(data: DashboardData) -> str:
+    """The step the instrument panels show (that of the latest histograms too), and the last
+    KPI step when KPIs go further (they are logged on every step)."""
+    if data.last_step is None:
+        return "no values yet"
+    if data.last_quantity_step is None:
+        return f"KPIs to step {data.last_step}"
+    later = data.last_step > data.last_quantity_step
+    return (f"instruments at step {data.last_quantity_step}"
+            + (f", KPIs to step {data.last_step}" if later else ""))
 
 
 def _panel(fig: Figure, cell: SubplotSpec, key: str, data: DashboardData,

@@ -17,6 +17,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.gridspec import SubplotSpec
 
+from ..ranges import log_fits, shared_range
 from .data import DashboardData, Series
 
 # Cockpit's palette, so the layout reads the same to its users
@@ -80,22 +81,57 @@ def draw_series(ax: Axes, data: DashboardData, left: Sequence[str], right: Seque
             s = data.series(layers_of, layer)
             if s is not None:
                 ax.plot(s.steps, s.values, color=GUIDE, lw=0.8, alpha=0.7, zorder=1)
-    drawn = []
+    drawn, on = [], {ax: [], twin: []}
     for index, name in enumerate(names):
         s = found[name]
         if s is None:
             continue
         target = twin if (twin is not None and name in right) else ax
         drawn.append(_line(target, s, LINE_COLORS[index % len(LINE_COLORS)]))
+        on[target].append((s, LINE_COLORS[index % len(LINE_COLORS)]))
+    outside = sum(fit_values(axis, shown) for axis, shown in on.items() if axis and shown)
     if log_steps:
         ax.set_xscale("symlog", linthresh=1)
     ax.set_xlabel("step")
     handles = [h for axis in (ax, twin) if axis is not None
                for h in axis.get_legend_handles_labels()[0]]
-    ax.legend(handles=handles, loc="best", framealpha=0.7)
+    # in the headroom `fit_values` left above the values: the legend covers no point
+    ax.legend(handles=handles, loc="upper left", ncol=min(len(handles), 3), framealpha=0.7,
+              borderaxespad=0.2)
+    if outside:
+        ax.text(0.99, 0.99, f"▲▼ {outside} outside", transform=ax.transAxes, ha="right",
+                va="top", fontsize=6, color="dimgray")
     if not any(s.finite.any() for s in drawn):
         reasons = [s.reason for s in drawn if s.reason]
         message(ax, "no finite value" + (f"\n{reasons[-1][:80]}" if reasons else ""))
+
+
+def fit_values(ax: Axes, shown: Sequence[tuple[Series, str]], headroom: float = 0.3) -> int:
+    """Fit `ax`'s value range to the bulk of the series' points (log scale when positive
+    over more than two decades), mark points beyond it at the edge (▲ ▼), and leave
+    `headroom` of the range free at the top for the legend. Returns how many points lie
+    outside."""
+    values = np.concatenate([s.values for s, _ in shown])
+    log = log_fits(values)
+    bulk = shared_range([s.values for s, _ in shown], log)
+    if bulk is None:
+        return 0
+    if log:
+        ax.set_yscale("log")
+    lo, hi = bulk
+    span = hi - lo if hi > lo else (1.0 if log else 0.1 * abs(hi) or 1.0)
+    low, high = lo - 0.05 * span, hi + (0.05 + headroom) * span
+    ax.set_ylim(*((10 ** low, 10 ** high) if log else (low, high)))
+    lo, hi = (10 ** lo, 10 ** hi) if log else (lo, hi)
+    outside = 0
+    for s, color in shown:
+        for beyond, edge, marker in ((s.values > hi, hi, "^"), (s.values < lo, lo, "v")):
+            beyond &= s.finite
+            if beyond.any():
+                ax.plot(s.steps[beyond], np.full(int(beyond.sum()), edge), ls="none",
+                        marker=marker, color=color, mec="#333", ms=5, clip_on=False, zorder=4)
+                outside += int(beyond.sum())
+    return outside
 
 
 def _line(ax: Axes, s: Series, color: str) -> Series:
@@ -133,7 +169,7 @@ def draw_alpha(ax: Axes, data: DashboardData) -> None:
     for guide in (-1.0, 0.0, 1.0):
         ax.axvline(guide, color=GUIDE, lw=1, zorder=0)
     ax.set_xlim(-ALPHA_VIEW, ALPHA_VIEW)
-    ax.set_ylim(0, ALPHA_VIEW**2 + 0.1)
+    ax.set_ylim(0, (ALPHA_VIEW**2 + 0.1) * 1.45)  # headroom for the legend
     ax.set_xlabel("α (normalised step length)")
     ax.set_ylabel("normalised loss")
     values = s.values[s.finite]
@@ -150,6 +186,7 @@ def draw_alpha(ax: Axes, data: DashboardData) -> None:
     density.hist(recent, bins, color=PRIMARY, alpha=0.85,
                  label=f"last 10% (μ={values[-len(recent):].mean():.2f})")
     density.set_ylabel("steps")
+    density.set_ylim(0, density.get_ylim()[1] * 1.45)
     end = float(shown[-1])
     ax.plot([-1.0, end], [1.0, end**2], ls="none", marker="o", color=PRIMARY, ms=6, zorder=4,
             label=f"last step: α = {values[-1]:.2f}")
@@ -159,11 +196,11 @@ def draw_alpha(ax: Axes, data: DashboardData) -> None:
         notes.append(f"{outside} outside ±{ALPHA_VIEW}")
     if missing:
         notes.append(f"{missing} missing")
-    if notes:
-        ax.text(0.01, 0.97, ", ".join(notes), transform=ax.transAxes, va="top", fontsize=7,
-                color=MISSING)
+    if notes:  # in the title: the legend fills the top of the panel
+        ax.set_title(f"{ax.get_title()} ({', '.join(notes)})", fontweight="bold",
+                     color=MISSING)
     handles = ax.get_legend_handles_labels()[0] + density.get_legend_handles_labels()[0]
-    ax.legend(handles=handles, loc="upper center", framealpha=0.7)
+    ax.legend(handles=handles, loc="upper center", ncol=2, framealpha=0.7)
 
 
 # -- gradient tests ---------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..cli.main import verb
 from ..query.run import Run
@@ -20,6 +21,10 @@ def _args(p: argparse.ArgumentParser) -> None:
 def export(args: argparse.Namespace) -> int:
     if not (args.tensorboard or args.parquet):
         raise ValueError("say where to export: --tensorboard DIR and/or --parquet DIR")
+    for option, folder in (("--tensorboard", args.tensorboard), ("--parquet", args.parquet)):
+        if folder and Path(folder).exists() and not Path(folder).is_dir():
+            raise ValueError(f"{option} {folder}: that is a file; {option} takes a folder "
+                             "(new or existing) to write into")
     with Run(args.run) as run:
         if args.tensorboard:
             print(f"TensorBoard events in {export_tensorboard(run, args.tensorboard)}")

@@ -14,7 +14,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8050, help="port (default 8050)")
 
 
-@verb("serve", "open the GUI on a project folder in the browser", _serve_args)
+@verb("serve", "serve the GUI for a project folder on http://127.0.0.1:8050 (open that "
+      "address in your browser)", _serve_args)
 def serve_cmd(args: argparse.Namespace) -> int:
     try:
         from .server import serve  # dash is an optional extra: import it only when used

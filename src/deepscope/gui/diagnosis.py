@@ -91,7 +91,7 @@ def _findings(run: str, found: Any) -> list[Any]:
     head = html.H3("Health-check findings")
     if found.empty:
         return [head, html.P(f"No anomalies recorded in {run}.", className="hint")]
-    cols = ["step", "tensor", "detector", "value", "threshold", "message"]
+    cols = ["step", "kind", "tensor", "detector", "value", "threshold", "message"]
     return [head, _list_table(cols, [
         [html.Td(panels.fmt(v) if isinstance(v, float) else v) for v in row]
         for row in found[cols].itertuples(index=False)])]

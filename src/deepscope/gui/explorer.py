@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import dash
@@ -18,7 +19,7 @@ from dash import ALL, Input, Output, State, ctx, html
 from . import diagnosis, graph_view, panels
 from .data import LRU, ProjectData, RunData, fingerprint
 from .guard import contained, describe, error_box, error_figure, guard, report
-from .selection import Request, resolve
+from .selection import Request, nearest_index, resolve
 
 _LAYOUTS = LRU(128)  # graph structure fingerprint -> GraphLayout (pure function of the graph)
 
@@ -174,10 +175,12 @@ def _register_graph(app: dash.Dash, project: ProjectData) -> None:
     @app.callback(Output("graph", "elements"), Output("graph", "layout"),
                   Output("node-list", "children"), Output("legend", "children"),
                   Output("graph-key", "data"), Input("sel", "data"),
-                  Input("colour-by", "value"), State("graph-key", "data"))
+                  Input("colour-by", "value"), Input("colour-shared", "value"),
+                  State("graph-key", "data"))
     @guard(lambda msg: (dash.no_update, dash.no_update, dash.no_update, error_box(msg),
                         dash.no_update))
-    def _graph(sel: dict | None, colour_by: str | None, known: dict | None) -> tuple:
+    def _graph(sel: dict | None, colour_by: str | None, shared: list | None,
+               known: dict | None) -> tuple:
         if not sel or sel.get("empty"):
             msg = html.P("No recorded step yet: the graph appears with the first one.",
                          className="hint")
@@ -186,7 +189,11 @@ def _register_graph(app: dash.Dash, project: ProjectData) -> None:
         graph = rd.graph(sel["step"], sel["iteration"])
         key = fingerprint(graph)  # same structure in another run: keep the view as it is
         layout = _LAYOUTS.get(key, lambda: graph_view.build_layout(graph))
-        colours, scale, flags, caption = node_colouring(rd, sel, layout, colour_by or "role")
+        others = [o for o in (contained(lambda r=r: project.run(r), lambda _msg: None,
+                                        f"run {r}") for r in project.runs()
+                              if shared and colour_by != "role" and r != sel["run"]) if o]
+        colours, scale, flags, caption = node_colouring(rd, sel, layout, colour_by or "role",
+                                                        others)
         elements = graph_view.elements(layout, sel["node"], sel["tensor"], colours, flags)
         drawn = fingerprint([elements, caption, scale and [scale.low, scale.high, scale.log]])
         known = known or {}
@@ -205,9 +212,15 @@ def _register_graph(app: dash.Dash, project: ProjectData) -> None:
 
 
 def node_colouring(rd: RunData, sel: dict[str, Any], layout: graph_view.GraphLayout,
-                   colour_by: str) -> tuple[dict[str, str], graph_view.ColourScale | None,
-                                            dict[str, str], str]:
-    """Node fills, their scale, non-finite flags and a legend caption for one step."""
+                   colour_by: str, others: Sequence[RunData] = ()
+                   ) -> tuple[dict[str, str], graph_view.ColourScale | None,
+                              dict[str, str], str]:
+    """Node fills, their scale, non-finite flags and a legend caption for one step.
+
+    others: runs whose values at their nearest step of the kind share the colour scale, so
+    one colour means one value in every run compared (a run that cannot be read is left
+    out of the scale, and the caption names the runs that are in it).
+    """
     df = rd.step_records(sel["step"])
     bad = df[(df[["nan", "posinf", "neginf"]].fillna(0) > 0).any(axis=1)]
     node_of = {t: n for n, ts in layout.members.items() for t in ts}
@@ -217,9 +230,42 @@ def node_colouring(rd: RunData, sel: dict[str, Any], layout: graph_view.GraphLay
             flags[node_of[t]] = f"non-finite values in {t}"
     if colour_by == "role":
         return {}, None, flags, ""
+    per_node, caption = _node_values(rd, sel, node_of, colour_by)
+    if not per_node:
+        return {}, None, flags, caption
+    bounds, shared = None, []
+    for other in others:
+        values = contained(lambda other=other: _values_near(other, sel, node_of, colour_by),
+                           lambda _msg: None, f"colour scale of {other.run.name}")
+        if values:
+            shared.append((other.run.name, values))
+    if shared:
+        pooled = [*per_node.values(), *(v for _, vs in shared for v in vs.values())]
+        bounds = (min(pooled), max(pooled))
+        caption += f"; one scale with {', '.join(name for name, _ in shared)}"
+    colours, scale = graph_view.colour_nodes(per_node, bounds)
+    missing = {n: graph_view.MISSING_COLOUR for n in layout.positions if n not in colours}
+    return {**missing, **colours}, scale, flags, caption
+
+
+def _values_near(rd: RunData, sel: dict[str, Any], node_of: dict[str, str],
+                 colour_by: str) -> dict[str, float]:
+    """A run's node values at its recorded step of the kind nearest to the selected one."""
+    steps = rd.steps(sel["kind"])
+    if not steps:
+        return {}
+    return _node_values(rd, {**sel, "step": steps[nearest_index(steps, sel["step"])]},
+                        node_of, colour_by)[0]
+
+
+def _node_values(rd: RunData, sel: dict[str, Any], node_of: dict[str, str],
+                 colour_by: str) -> tuple[dict[str, float], str]:
+    """Finite value per node (max over its tensors) of a statistic ("stat:<name>") or a
+    per-layer quantity ("q:<name>") at the selected step, and a caption."""
     per_tensor: dict[str, float] = {}
     if colour_by.startswith("stat:"):
         stat = colour_by[5:]
+        df = rd.step_records(sel["step"])
         rows = df[df["direction"] == sel["direction"]]
         # Parameters are recorded in iteration 0 only: prefer this iteration, else any.
         rows = rows.assign(pref=(rows["iteration"] != sel["iteration"]).astype(int))
@@ -231,7 +277,7 @@ def node_colouring(rd: RunData, sel: dict[str, Any], layout: graph_view.GraphLay
         q = rd.quantities(name)
         q = q[(q["step"] <= sel["step"]) & (q["layer"] != "")]
         if q.empty:
-            return {}, None, flags, f"{name}: not tracked per layer up to this step"
+            return {}, f"{name}: not tracked per layer up to this step"
         at = int(q["step"].max())
         for layer, value in q[q["step"] == at][["layer", "value"]].itertuples(index=False):
             per_tensor[_tensor_for_layer(layer, node_of)] = value
@@ -241,9 +287,7 @@ def node_colouring(rd: RunData, sel: dict[str, Any], layout: graph_view.GraphLay
         n = node_of.get(t)
         if n is not None and v is not None and math.isfinite(v):
             per_node[n] = max(per_node.get(n, -math.inf), v)
-    colours, scale = graph_view.colour_nodes(per_node)
-    missing = {n: graph_view.MISSING_COLOUR for n in layout.positions if n not in colours}
-    return {**missing, **colours}, scale, flags, caption + " (node: max over its tensors)"
+    return per_node, caption + " (node: max over its tensors)"
 
 
 def _tensor_for_layer(layer: str, node_of: dict[str, str]) -> str:
@@ -256,9 +300,11 @@ def _tensor_for_layer(layer: str, node_of: dict[str, str]) -> str:
 def _legend(layout: graph_view.GraphLayout, scale: graph_view.ColourScale | None,
             caption: str) -> list[Any]:
     roles = [r for r in graph_view.ROLE_ORDER if r in set(layout.roles.values())]
+    # the role swatches only while the fills are role colours
     items: list[Any] = [html.Span([html.I(className="swatch",
                                           style={"background": graph_view.ROLE_COLOURS[r]}),
-                                   r], className="legend-item") for r in roles]
+                                   r], className="legend-item") for r in roles
+                        if not caption]
     items.append(html.Span("dotted side: no dependency (left) / no dependent (right); "
                            "dashed edge: from an earlier iteration", className="hint"))
     if caption:

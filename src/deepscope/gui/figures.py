@@ -33,7 +33,9 @@ def base_layout(title: str = "", *, height: int = 260, **extra: Any) -> dict[str
     title = plain(title)
     layout: dict[str, Any] = {
         "title": {"text": title, "font": {"size": 13}, "x": 0.01, "xanchor": "left"},
-        "height": height, "margin": {"l": 56, "r": 12, "t": 34 if title else 12, "b": 38},
+        # the mode bar stands upright in the right margin: across the top it covered titles
+        "height": height, "margin": {"l": 56, "r": 34, "t": 34 if title else 12, "b": 38},
+        "modebar": {"orientation": "v"},
         "paper_bgcolor": "#ffffff", "plot_bgcolor": "#ffffff",
         "font": {"family": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif",
                  "size": 11},
@@ -130,13 +132,6 @@ def step_marker(step: int | None) -> list[dict[str, Any]]:
              "y1": 1, "line": {"color": "#999", "width": 1, "dash": "dot"}}]
 
 
-def log_axis_fits(values: Sequence[Any]) -> bool:
-    """Log scale suits strictly positive data spanning more than two decades."""
-    v = np.asarray([x for x in values if x is not None], dtype=float)
-    v = v[np.isfinite(v)]
-    return bool(v.size) and bool((v > 0).all()) and float(v.max() / v.min()) > 100
-
-
 def values_figure(values: np.ndarray, title: str, *, xtitle: str = "neuron") -> Figure:
     """A bar chart for 1-D values, a heatmap for 2-D (rows x columns); over
     MAX_DRAWN_VALUES values, a message saying so."""
@@ -162,6 +157,31 @@ def values_figure(values: np.ndarray, title: str, *, xtitle: str = "neuron") -> 
                          yaxis={"title": {"text": "row"}, "autorange": "reversed",
                                 **integer_axis(z.shape[0])})
     return {"data": data, "layout": layout}
+
+
+def share_scale(fig: Figure, other: Figure) -> None:
+    """Give `fig` the value scale covering both figures' values (bar y-axis or heatmap
+    colours), so two charts side by side compare at a glance. Modifies `fig`."""
+    def values(f: Figure) -> list[float]:
+        out: list[float] = []
+        for trace in f.get("data", []):
+            rows = trace.get("z") or [trace.get("y") or []]
+            out += [v for row in rows for v in row if v is not None]
+        return out
+    both = values(fig) + values(other)
+    if not both or not fig.get("data"):
+        return
+    lo, hi = min(both), max(both)
+    trace = fig["data"][0]
+    if trace.get("type") == "heatmap":
+        top = max(abs(lo), abs(hi)) or 1.0
+        trace.update(zmin=-top, zmax=top)
+        trace.pop("zmid", None)
+    else:
+        lo, hi = min(lo, 0.0), max(hi, 0.0)  # bars start at zero
+        pad = 0.05 * ((hi - lo) or 1.0)
+        fig["layout"]["yaxis"] = {**fig["layout"].get("yaxis", {}),
+                                  "range": [lo - pad, hi + pad], "autorange": False}
 
 
 def ema(values: Sequence[float], weight: float) -> list[float]:

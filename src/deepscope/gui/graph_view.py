@@ -18,6 +18,12 @@ from urllib.parse import quote
 
 NODE_W, NODE_H = 150, 34
 X_GAP, Y_GAP = 210, 58
+# A graph too wide to show its labels at their size in the canvas (about CANVAS pixels at a
+# 1600 px window) is wrapped into bands of layers stacked top to bottom, like lines of text,
+# when that makes the fitted graph at least WRAP_GAIN times larger; BAND_GAP between bands.
+CANVAS = (800, 440)
+BAND_GAP = 70
+WRAP_GAIN = 1.3
 
 # Okabe-Ito hues, lightened so black labels stay readable; safe for colour-blind readers.
 ROLE_COLOURS: dict[str, str] = {
@@ -132,12 +138,28 @@ def _positions(layer: dict[str, int], preds: dict[str, set[str]],
             for i, n in enumerate(col):
                 rank[n] = float(i)
     tallest = max((len(c) for c in by_layer.values()), default=1)
+    per_band = _layers_per_band(max(layers, default=0) + 1, tallest)
+    band_height = (tallest - 1) * Y_GAP + NODE_H + BAND_GAP
     out = {}
     for li, col in by_layer.items():
         offset = (tallest - len(col)) / 2  # centre short layers vertically
+        band, column = divmod(li, per_band)
         for i, n in enumerate(col):
-            out[n] = (li * X_GAP, (i + offset) * Y_GAP)
+            out[n] = (column * X_GAP, (i + offset) * Y_GAP + band * band_height)
     return out
+
+
+def _layers_per_band(n_layers: int, tallest: int) -> int:
+    """How many layers one band holds: all of them, unless the graph would be drawn smaller
+    than its natural size and wrapping makes it `WRAP_GAIN` times larger."""
+    def zoom(per_band: int) -> float:  # the scale that fits the graph into the canvas
+        bands = -(-n_layers // per_band)
+        width = (per_band - 1) * X_GAP + NODE_W
+        height = bands * ((tallest - 1) * Y_GAP + NODE_H) + (bands - 1) * BAND_GAP
+        return min(CANVAS[0] / width, CANVAS[1] / height)
+    whole = zoom(n_layers)
+    best = max(range(1, n_layers + 1), key=lambda k: (zoom(k), k))
+    return best if whole < 1 and zoom(best) >= WRAP_GAIN * whole else n_layers
 
 
 def closure(start: str, adjacency: dict[str, set[str]]) -> set[str]:
@@ -181,8 +203,9 @@ def elements(layout: GraphLayout, selected: str | None, tensor: str | None,
             classes.append("selected" if n == selected else "lit" if n in lit else "faded")
         if n in flags:
             classes.append("nonfinite")
-        out.append({"data": {"id": n, "label": label,
-                             "colour": colours.get(n, ROLE_COLOURS.get(role, MISSING_COLOUR))},
+        fill = colours.get(n, ROLE_COLOURS.get(role, MISSING_COLOUR))
+        out.append({"data": {"id": n, "label": label, "colour": fill,
+                             "text": text_colour(fill)},
                     "position": {"x": x, "y": y}, "classes": " ".join(classes)})
     up, down = upstream | {selected}, downstream | {selected}
     for (src, dst, lagged), pairs in layout.edges.items():
@@ -224,9 +247,9 @@ def stylesheet() -> list[dict[str, Any]]:
         {"selector": "node", "style": {
             "shape": "rectangle", "width": NODE_W, "height": NODE_H,
             "background-color": "data(colour)", "border-width": 0,
-            "label": "data(label)", "font-size": 12, "text-valign": "center",
+            "label": "data(label)", "font-size": 14, "text-valign": "center",
             "text-halign": "center", "text-wrap": "ellipsis", "text-max-width": NODE_W - 10,
-            "color": "#111", "background-width": "100%", "background-height": "100%",
+            "color": "data(text)", "background-width": "100%", "background-height": "100%",
             "background-clip": "none"}},
         {"selector": "node.faded", "style": {"opacity": 0.35}},
         {"selector": "node.selected", "style": {
@@ -282,15 +305,30 @@ class ColourScale:
         return f"linear-gradient(to right, {stops})"
 
 
-def colour_nodes(values: dict[str, float]) -> tuple[dict[str, str], ColourScale | None]:
+def text_colour(fill: str) -> str:
+    """Black or white label text, whichever contrasts more with a "#rrggbb" fill (WCAG
+    relative luminance; white on the dark end of viridis, black elsewhere)."""
+    def linear(c: int) -> float:
+        c /= 255
+        return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+    r, g, b = (linear(int(fill[i:i + 2], 16)) for i in (1, 3, 5))
+    luminance = 0.2126 * r + 0.7152 * g + 0.0722 * b
+    # contrast with black (L + 0.05) / 0.05 against white 1.05 / (L + 0.05)
+    return "#111111" if (luminance + 0.05) ** 2 > 0.0525 else "#ffffff"
+
+
+def colour_nodes(values: dict[str, float], bounds: tuple[float, float] | None = None
+                 ) -> tuple[dict[str, str], ColourScale | None]:
     """Viridis fill per node from its value; log scale when positive values span > 2 decades.
 
+    bounds: the (low, high) of the scale, e.g. over several runs so that one colour means
+    one value in each (default: these values' own range; values beyond are clipped).
     Nodes without a finite value are left out (they keep the 'missing' fill).
     """
     finite = {n: v for n, v in values.items() if v is not None and math.isfinite(v)}
     if not finite:
         return {}, None
-    lo, hi = min(finite.values()), max(finite.values())
+    lo, hi = bounds or (min(finite.values()), max(finite.values()))
     log = lo > 0 and hi / lo > 100
     f = math.log10 if log else (lambda v: v)
     a, b = f(lo), f(hi)

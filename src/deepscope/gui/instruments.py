@@ -14,8 +14,9 @@ import numpy as np
 import pandas as pd
 from dash import Input, Output, html
 
+from .axes import series_figure
 from .data import ProjectData, RunData
-from .figures import Figure, base_layout, line_trace, log_axis_fits, message_figure, note
+from .figures import Figure, base_layout, line_trace, message_figure, note
 from .guard import error_box, figure_guard, guard
 
 MAX_HIST_STEPS = 300  # columns of the gradient-histogram heatmap; more steps are thinned
@@ -30,6 +31,7 @@ class Panel:
     names: tuple[str, ...]
     right: tuple[str, ...] = ()
     markers: bool = False
+    height: int = 240  # pixels; panels whose quantities may need one axis each are taller
 
 
 PANELS: dict[str, Panel] = {
@@ -40,11 +42,12 @@ PANELS: dict[str, Panel] = {
     "tests": Panel("Gradient tests (near 1: batch size fits)",
                    ("NormTest", "InnerTest", "OrthoTest")),
     "hist1d": Panel("Gradient elements (log counts)", ("GradHist1d",)),
-    "snr": Panel("GSNR, CABS, early stopping", ("MeanGSNR", "CABS", "EarlyStopping")),
+    "snr": Panel("GSNR, CABS, early stopping", ("MeanGSNR", "CABS", "EarlyStopping"),
+                 height=360),
     "hessmaxev": Panel("Hessian max eigenvalue", ("HessMaxEV",)),
     "hesstrace": Panel("Hessian trace", ("HessTrace",)),
-    "tic": Panel("Takeuchi information criterion", ("TICDiag", "TICTrace")),
-    "performance": Panel("Loss and KPIs", ("Loss",)),
+    "tic": Panel("Takeuchi information criterion", ("TICDiag", "TICTrace"), height=360),
+    "performance": Panel("Loss and KPIs", ("Loss",), height=360),
 }
 SECTIONS: list[tuple[str, list[str]]] = [
     ("Step size", ["alpha", "distance", "gradnorm"]),
@@ -74,39 +77,29 @@ def render_panel(rd: RunData, panel: Panel, layer: str) -> Figure:
     """The figure of one panel for one run and layer ("" = whole model)."""
     if panel.names == ("GradHist1d",):
         return _histogram_panel(rd, panel, layer)
-    traces, used_layers, missing = [], set(), []
+    left, right, used_layers, missing = [], [], set(), []
     for i, name in enumerate(panel.names):
         rows, used = _series(rd, name, layer)
         if rows.empty:
             missing.append(name)
             continue
         used_layers.add(used)
-        trace = line_trace(name, rows["step"], rows["value"], i,
-                           yaxis="y2" if name in panel.right else None)
+        trace = line_trace(name, rows["step"], rows["value"], i)
         if panel.markers:
             trace["mode"] = "markers"
-        traces.append(trace)
+        (right if name in panel.right else left).append(trace)
         if rows["value"].notna().sum() == 0:
             reason = _missing_reason(rows)
             missing.append(f"{name} (no value{': ' + reason if reason else ''})")
     if panel is PANELS["performance"]:
-        traces += _kpi_traces(rd, start=len(traces))
-    if not traces:
+        left += _kpi_traces(rd, start=len(left) + len(right))
+    if not left and not right:
         return message_figure(f"{', '.join(panel.names)}: not tracked in this run",
-                              panel.title, height=240)
+                              panel.title, height=panel.height)
     title = panel.title + ("" if not layer else f" · {layer}" if used_layers == {layer}
                            else " · whole model")
-    extra: dict[str, Any] = {}
-    ys = [v for t in traces if t.get("yaxis") is None for v in t["y"]]
-    if log_axis_fits(ys):
-        extra["yaxis"] = {"type": "log"}
-    if any(t.get("yaxis") == "y2" for t in traces):
-        extra["yaxis2"] = {"overlaying": "y", "side": "right", "showgrid": False,
-                           "automargin": True}
-    layout = base_layout(title, height=240, **extra)
-    if missing:
-        layout["annotations"] = [note("not tracked: " + ", ".join(missing))]
-    return {"data": traces, "layout": layout}
+    return series_figure(title, left or right, right if left else (), height=panel.height,
+                         remark="not tracked: " + ", ".join(missing) if missing else "")
 
 
 def _kpi_traces(rd: RunData, start: int) -> list[dict[str, Any]]:
@@ -222,7 +215,7 @@ def register(app: dash.Dash, project: ProjectData) -> None:
 def _register_panel(app: dash.Dash, project: ProjectData, key: str, panel: Panel,
                     inputs: list[Input]) -> None:
     @app.callback(Output(f"inst-{key}", "figure"), *inputs)
-    @figure_guard(panel.title, height=240)
+    @figure_guard(panel.title, height=panel.height)
     def _panel(tab: str, run: str | None, layer: str | None, _v: Any) -> Figure:
         if tab != "instruments" or not run:
             raise dash.exceptions.PreventUpdate

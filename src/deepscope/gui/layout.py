@@ -13,7 +13,7 @@ from dash import dcc, html
 
 from ..store.schema import STAT_COLUMNS
 from . import graph_view
-from .instruments import PER_LAYER, SECTIONS
+from .instruments import PANELS, PER_LAYER, SECTIONS
 
 POLL_MS = 2000
 GRAPH_CONFIG = {"displaylogo": False, "responsive": True,
@@ -80,6 +80,8 @@ def explorer_tab() -> html.Div:
             _labelled("Kind", _dropdown("kind")),
             _labelled("Iteration", _dropdown("iteration")),
             _labelled("Colour by", _dropdown("colour-by", options=COLOUR_OPTIONS, value="role")),
+            dcc.Checklist(id="colour-shared", value=["shared"], className="radio",
+                          options=[{"label": "one scale for all runs", "value": "shared"}]),
         ], className="toolbar"),
         cyto.Cytoscape(
             id="graph", elements=[], stylesheet=graph_view.stylesheet(),
@@ -133,7 +135,8 @@ def instruments_tab() -> html.Div:
         sections.append(html.Section([
             html.H2(title),
             html.Div(id=f"inst-warnings-{i}", className="inst-warnings"),  # beside the charts
-            html.Div([_graph(f"inst-{k}", 240) for k in keys], className="panel-grid"),
+            html.Div([_graph(f"inst-{k}", PANELS[k].height) for k in keys],
+                     className="panel-grid"),
         ], className="card"))
     return html.Div([
         html.Div([_labelled("Layer", _dropdown("inst-layer", value="")),

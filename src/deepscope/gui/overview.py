@@ -14,7 +14,14 @@ from dash import Input, Output, dcc, html
 
 from . import panels
 from .data import ProjectData
-from .figures import SERIES_COLOURS, base_layout, ema, line_trace, message_figure
+from .figures import (
+    SERIES_COLOURS,
+    base_layout,
+    ema,
+    line_trace,
+    message_figure,
+    share_scale,
+)
 from .guard import contained, error_box, figure_guard, guard
 from .layout import GRAPH_CONFIG
 from .selection import nearest_index
@@ -115,16 +122,29 @@ def _register_compare_column(app: dash.Dash, project: ProjectData, side: str) ->
         run = sel["run"] if side == "a" else other
         if not run:
             return _empty_column("run B", "Choose a run to compare with.")
+        here = _compare_selection(project, sel, run)
+        if isinstance(here, str):
+            return _empty_column(run, here)
         rd = project.run(run)
-        steps = rd.steps(sel["kind"])
-        if not steps:
-            return _empty_column(run, f"{run} has no recorded step of kind {sel['kind']}.")
-        if sel["tensor"] not in rd.tensor_info():
-            return _empty_column(run, f"{run} has no tensor {sel['tensor']}.")
-        # the other run may have recorded other steps: take its nearest one
-        here = {**sel, "run": run, "step": steps[nearest_index(steps, sel["step"])]}
         _banner, table = panels.stats_table(rd, here)
-        return f"{run} · step {here['step']}", table, panels.values_panel(rd, here, 220)
+        fig = panels.values_panel(rd, here, 220)
+        partner = other if side == "a" else sel["run"]
+        there = _compare_selection(project, sel, partner) if partner else None
+        if isinstance(there, dict):  # one value scale in both columns
+            share_scale(fig, panels.values_panel(project.run(partner), there, 220))
+        return f"{run} · step {here['step']}", table, fig
+
+
+def _compare_selection(project: ProjectData, sel: dict, run: str) -> dict | str:
+    """The selection of the Graph tab in `run` at its nearest recorded step, or why none."""
+    rd = project.run(run)
+    steps = rd.steps(sel["kind"])
+    if not steps:
+        return f"{run} has no recorded step of kind {sel['kind']}."
+    if sel["tensor"] not in rd.tensor_info():
+        return f"{run} has no tensor {sel['tensor']}."
+    # the other run may have recorded other steps: take its nearest one
+    return {**sel, "run": run, "step": steps[nearest_index(steps, sel["step"])]}
 
 
 def _empty_column(title: str, text: str) -> tuple:

@@ -11,8 +11,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 from dash import html
 
+from ..recorder.stats import DEFAULT_MAX_VALUES, tensor_stats
 from ..store.schema import STAT_COLUMNS
 from .data import ProjectData, RunData
 from .figures import (
@@ -39,37 +41,74 @@ def fmt(v: float) -> str:
 
 
 def stats_table(rd: RunData, sel: dict[str, Any]) -> tuple[Any, Any]:
-    """(banner, table) for the selected tensor record; one column per stored direction."""
+    """(banner, table) for the selected tensor record; one column per stored direction, plus
+    one for the selected batch item (computed from its stored values) when a sample is shown."""
     tensor, step, it = sel["tensor"], sel["step"], sel["record_iteration"]
     df = rd.step_records(step)
     df = df[(df["tensor"] == tensor) & (df["iteration"] == it)]
     if df.empty:
         return None, html.P(f"{tensor} has no record at step {step}, iteration {it}.",
                             className="hint")
-    directions = list(df["direction"])
+    # (header, stored direction, statistics, selected) per column
+    columns = [(_direction_name(d), d, row[list(STAT_COLUMNS)].astype(float).tolist(),
+                d == sel["direction"]) for d, (_, row) in zip(df["direction"], df.iterrows())]
+    item, why_not = _item_stats(rd, sel)
+    caption = f"{tensor} · step {step}" + (f" · iteration {it}" if it else "")
+    if item is not None:
+        columns = [(h, d, v, False) for h, d, v, _ in columns]
+        columns.append((f"batch item {_view_of(sel['batch'])[1]}", sel["direction"], item, True))
+    elif why_not:
+        caption += f" · whole batch ({why_not})"
     head = html.Tr([html.Th("statistic")] + [
-        html.Th("gradient" if d == "grad" else d,
-                className="sel-col" if d == sel["direction"] else None) for d in directions])
+        html.Th(h, className="sel-col" if chosen else None) for h, _, _, chosen in columns])
     rows, alarms = [], []
-    for stat in STAT_COLUMNS:
+    for k, stat in enumerate(STAT_COLUMNS):
         cells = [html.Th(stat)]
-        for d, value in zip(directions, df[stat]):
+        for h, _, values, chosen in columns:
+            value = values[k]
             bad = stat in NONFINITE and value > 0
             if bad:
-                alarms.append(f"{fmt(value)} {stat} in {d}")
+                alarms.append(f"{fmt(value)} {stat} in {h}")
             classes = " ".join(c for c in ("nonfinite" if bad else "",
-                                           "sel-col" if d == sel["direction"] else "") if c)
+                                           "sel-col" if chosen else "") if c)
             cells.append(html.Td(fmt(value), className=classes or None))
         rows.append(html.Tr(cells))
-    caption = html.Caption(f"{tensor} · step {step}" + (f" · iteration {it}" if it else ""))
-    table = html.Table([caption, html.Thead(head), html.Tbody(rows)], className="stats",
-                       **{"data-tensor": tensor, "data-step": str(step),
-                          "data-direction": sel["direction"]})
+    table = html.Table([html.Caption(caption), html.Thead(head), html.Tbody(rows)],
+                       className="stats", **{"data-tensor": tensor, "data-step": str(step),
+                                             "data-direction": sel["direction"]})
     banner = None
     if alarms:
         banner = html.Div("⚠ non-finite values: " + ", ".join(alarms), className="banner-bad",
                           role="alert")
     return banner, table
+
+
+def _direction_name(d: str) -> str:
+    return "gradient" if d == "grad" else d
+
+
+def _item_stats(rd: RunData, sel: dict[str, Any]) -> tuple[list[float] | None, str]:
+    """Statistics of the selected batch item from its stored full values (the recorder's own
+    definitions), or None and why not: no item selected, or the stored values are not the
+    item's exact values (cut to their first elements, or float32 copies of float64)."""
+    _, sample = _view_of(sel.get("batch") or "mean")
+    if sample is None:
+        return None, ""
+    info = rd.tensor_info().get(sel["tensor"], {})
+    if "float64" in str(info.get("dtype", "")):
+        return None, f"item {sample}'s own statistics not shown: stored as float32"
+    with rd.reading() as run:
+        try:
+            values = run.values(sel["tensor"], sel["step"], view="samples",
+                                iteration=sel["record_iteration"], direction=sel["direction"])
+        except KeyError:
+            return None, f"item {sample}'s values not stored"
+    if sample >= len(values):
+        return None, f"item {sample}'s values not stored"
+    if values[sample].size >= DEFAULT_MAX_VALUES:
+        return None, f"item {sample}'s values stored cut to {DEFAULT_MAX_VALUES} elements"
+    stats = tensor_stats(torch.from_numpy(np.ascontiguousarray(values[sample])))
+    return stats.tolist(), ""
 
 
 def _view_of(batch: str) -> tuple[str, int | None]:

@@ -184,7 +184,7 @@ def resolve(project: ProjectData, req: Request, prev: dict[str, Any] | None
                     role_in_node=role_of.get(tensor) if tensor else None, direction=direction,
                     batch=batch, follow=idx == last)
     choices = Choices(
-        kinds=[{"label": k, "value": k} for k in kinds], step_index=idx,
+        kinds=[{"label": k, "value": k} for k in sorted(kinds)], step_index=idx,
         step_count=len(steps), marks=_marks(steps),
         step_label=f"step {step}" + (" (latest)" if idx == last else "")
                    + f" · {idx + 1} of {len(steps)} recorded",
@@ -219,6 +219,8 @@ def _resolve_batch(rd: RunData, info: dict[str, Any] | None,
                    asked: str | None) -> tuple[str, list[dict[str, Any]]]:
     """Batch views for this tensor: over-batch summaries, then each stored batch item."""
     batch_dim = info["batch_dim"] if info else None
+    if info is not None and not info["shape"]:  # a scalar: no rows, no batch items
+        return "mean", [{"label": "the value (a scalar)", "value": "mean"}]
     labels = _BATCH_LABELS if batch_dim is not None else _ROW_LABELS
     options = [{"label": labels[k], "value": k} for k in BATCH_VIEWS]
     n_samples = 0

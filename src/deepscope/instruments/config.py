@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..suggest import did_you_mean
+
 # Every quantity, in the order the suite reports them.
 QUANTITY_NAMES: tuple[str, ...] = (
     "Loss",
@@ -98,7 +100,9 @@ def resolve_quantities(quantities: str | Sequence[str]) -> tuple[str, ...]:
         )
     unknown = sorted(chosen - set(QUANTITY_NAMES))
     if unknown:
-        raise ValueError(f"unknown quantity {', '.join(map(repr, unknown))}; {_valid_names_text()}")
+        raise ValueError(did_you_mean(unknown[0], [*CONFIGURATIONS, *QUANTITY_NAMES],
+                                      "quantity", known_as="valid configurations and names",
+                                      shown=len(CONFIGURATIONS) + len(QUANTITY_NAMES)))
     if not chosen:
         raise ValueError(f"no quantity chosen; {_valid_names_text()}")
     return tuple(name for name in QUANTITY_NAMES if name in chosen)

@@ -27,6 +27,7 @@ class Project:
                       if p.is_dir() and inside(p, self.path) and is_run_dir(p))
 
     def run(self, name: str) -> Run:
+        """Open run `name` of this project (ValueError naming the runs if there is none)."""
         names = self.runs()
         if name not in names:
             raise ValueError(f"no run {name!r} in {self.path}; runs: {', '.join(names) or 'none'}")

@@ -9,12 +9,27 @@ import numpy as np
 import pandas as pd
 
 from ..errors import CorruptRunError
+from ..instruments.config import QUANTITY_NAMES
 from ..store.layout import check_links, rank_files
 from ..store.reader import StoreReader
 from ..store.schema import STAT_COLUMNS
+from ..suggest import did_you_mean
 from . import checks
 
 DIRECTIONS = ("forward", "grad")
+# What the GUI calls a direction, accepted by every `direction=` argument.
+DIRECTION_ALIASES = {"gradient": "grad"}
+
+
+def check_direction(direction: str) -> str:
+    """`direction` in stored spelling: "forward", "grad" or "grad:<group>" ("gradient" and
+    "gradient:<group>" accepted); anything else is a one-line ValueError with did-you-mean."""
+    head, sep, group = str(direction).partition(":")
+    head = DIRECTION_ALIASES.get(head, head)
+    if head == "grad" or (head == "forward" and not sep):
+        return head + sep + group
+    raise ValueError(did_you_mean(direction, [*DIRECTIONS, *DIRECTION_ALIASES, "grad:<group>"],
+                                  "direction", known_as="use"))
 
 
 class Run:
@@ -37,6 +52,7 @@ class Run:
 
     @property
     def ranks(self) -> list[int]:
+        """The process ranks that wrote this run (one database each), ascending."""
         return list(self._files)
 
     def _r(self, rank: int) -> StoreReader:
@@ -47,7 +63,31 @@ class Run:
             reader = self._readers[rank] = StoreReader(self._files[rank])
         return reader
 
+    def _check(self, what: str, name: str, sql: str, rank: int,
+               also: tuple[str, ...] = ()) -> None:
+        """KeyError with did-you-mean unless `name` is among `sql`'s names (or `also`)."""
+        if name in also:
+            return
+        known = [n for (n,) in self._r(rank).query(sql)]
+        if name not in known:
+            raise KeyError(did_you_mean(name, known, what))
+
+    def _check_tensor(self, tensor: str, rank: int) -> None:
+        self._check("tensor", tensor, "SELECT name FROM tensors", rank)
+
+    def _check_step(self, step: int, rank: int) -> None:
+        """KeyError naming the nearest recorded steps unless `step` was recorded."""
+        r = self._r(rank)
+        if r.query("SELECT 1 FROM steps WHERE step = ?", (step,)):
+            return
+        before = r.query("SELECT MAX(step) FROM steps WHERE step < ?", (step,))[0][0]
+        after = r.query("SELECT MIN(step) FROM steps WHERE step > ?", (step,))[0][0]
+        near = [s for s in (before, after) if s is not None]
+        raise KeyError(f"step {step} was not recorded in run {self.name!r}; nearest: "
+                       + (", ".join(map(str, near)) or "none (no recorded step)"))
+
     def close(self) -> None:
+        """Close the open databases (a later call reopens them)."""
         for r in self._readers.values():
             r.close()
         self._readers.clear()
@@ -82,6 +122,7 @@ class Run:
                    for p in (f, f.with_name(f.name + "-wal")) if p.exists())
 
     def kinds(self, rank: int = 0) -> list[str]:
+        """Step kinds seen in recorded steps or logged KPIs, sorted."""
         rows = self._r(rank).query(
             "SELECT kind FROM steps UNION SELECT kind FROM kpis ORDER BY 1")
         return checks.texts([k for (k,) in rows], "steps", "kind", self._r(rank).path)
@@ -122,7 +163,16 @@ class Run:
     def stats_wide(self, tensor: str | None = None, *, direction: str | None = None,
                    step: int | None = None, iteration: int | None = None,
                    kind: str | None = None, rank: int = 0) -> pd.DataFrame:
-        """Statistics with one column per statistic (see `STAT_COLUMNS`), one row per record."""
+        """Statistics with one column per statistic (see `STAT_COLUMNS`), one row per record.
+
+        An unknown tensor or unrecorded step raises KeyError naming the closest ones.
+        """
+        if tensor is not None:
+            self._check_tensor(tensor, rank)
+        if direction is not None:
+            direction = check_direction(direction)
+        if step is not None:
+            self._check_step(step, rank)
         where, args = [], []
         for col, val in (("t.name", tensor), ("r.direction", direction), ("r.step", step),
                          ("r.iteration", iteration), ("s.kind", kind)):
@@ -148,7 +198,8 @@ class Run:
               rank: int = 0) -> pd.DataFrame:
         """Long table: step, iteration, tensor, direction, statistic, value.
 
-        direction: "forward", "grad", or "grad:<group>" for `rec.gradients(group)` snapshots.
+        direction: "forward", "grad" (or "gradient"), or "grad:<group>" for
+        `rec.gradients(group)` snapshots.
         """
         if statistic is not None and statistic not in STAT_COLUMNS:
             raise ValueError(f"unknown statistic {statistic!r}; use one of "
@@ -162,6 +213,7 @@ class Run:
     def views(self, tensor: str, step: int, *, iteration: int = 0,
               direction: str = "forward", rank: int = 0) -> list[str]:
         """Array views stored for one tensor record (neuron_mean, samples, ...)."""
+        direction = check_direction(direction)
         rows = self._r(rank).query(
             "SELECT a.view FROM arrays a JOIN tensors t ON t.id = a.tensor_id WHERE t.name = ? "
             "AND a.step = ? AND a.iteration = ? AND a.direction = ? ORDER BY a.view",
@@ -176,7 +228,11 @@ class Run:
         parameters per index of dim 0), sample_mean / sample_std / sample_abs_max (per batch
         item) — stored as bfloat16 unless the scope had exact_views=True — and samples (full
         float32 values of the first max_samples items). Returned as float32/float64.
+        An unknown tensor or unrecorded step raises KeyError naming the closest ones.
         """
+        self._check_tensor(tensor, rank)
+        self._check_step(step, rank)
+        direction = check_direction(direction)
         r = self._r(rank)
         rows = r.query(
             "SELECT a.dtype, a.shape, a.part, a.offset, a.nbytes FROM arrays a "
@@ -223,9 +279,11 @@ class Run:
 
     # --- scalars --------------------------------------------------------------------------
     def kpis(self, name: str | None = None, rank: int = 0) -> pd.DataFrame:
-        """KPIs logged on every step: step, kind, name, value (NaN if it was not finite)."""
+        """KPIs logged on every step: step, kind, name, value (NaN if it was not finite).
+        A name never logged raises KeyError naming the closest logged ones."""
         sql, args = "SELECT step, kind, name, value FROM kpis", ()
         if name is not None:
+            self._check("kpi", name, "SELECT DISTINCT name FROM kpis", rank)
             sql, args = sql + " WHERE name = ?", (name,)
         rows = self._r(rank).query(sql + " ORDER BY name, step", args)
         df = pd.DataFrame(rows, columns=["step", "kind", "name", "value"])
@@ -233,6 +291,7 @@ class Run:
                             numbers_=["value"])
 
     def notes(self, rank: int = 0) -> pd.DataFrame:
+        """Notes (`scope.note`): wall_time (seconds since the epoch), step, text."""
         rows = self._r(rank).query("SELECT wall_time, step, text FROM notes ORDER BY id")
         return checks.table(pd.DataFrame(rows, columns=["wall_time", "step", "text"]), "notes",
                             self._r(rank).path, texts_=["text"], numbers_=["wall_time"])
@@ -246,7 +305,16 @@ class Run:
         a key named like a base column gets the prefix "meta."), None/NaN where a row lacks
         the key, and last `meta`: the row's metadata as one dict, kept for code written when
         it was the only metadata column.
+
+        A quantity of `QUANTITY_NAMES` that was not tracked gives an empty table; another
+        name, or a layer no quantity was recorded for, raises KeyError with did-you-mean.
         """
+        if name is not None:
+            self._check("quantity", name, "SELECT DISTINCT name FROM quantities", rank,
+                        also=QUANTITY_NAMES)
+        if layer:
+            self._check("layer", layer, "SELECT DISTINCT layer FROM quantities WHERE layer != ''",
+                        rank)
         where, args = [], []
         for col, val in (("name", name), ("layer", layer)):
             if val is not None:
@@ -289,12 +357,16 @@ class Run:
         return counts, meta
 
     def anomalies(self, rank: int = 0) -> pd.DataFrame:
-        rows = self._r(rank).query("SELECT step, tensor, detector, value, threshold, message "
-                                   "FROM anomalies ORDER BY step, id")
-        return checks.table(pd.DataFrame(rows, columns=["step", "tensor", "detector", "value",
-                                                        "threshold", "message"]), "anomalies",
-                            self._r(rank).path, ints=["step"],
-                            texts_=["tensor", "detector", "message"],
+        """Health-check findings: step, kind (of the step; "" if it was neither recorded nor
+        logged a KPI), tensor, detector, value, threshold, message."""
+        rows = self._r(rank).query(
+            "SELECT a.step, COALESCE((SELECT kind FROM steps s WHERE s.step = a.step), "
+            "(SELECT kind FROM kpis k WHERE k.step = a.step LIMIT 1), ''), a.tensor, "
+            "a.detector, a.value, a.threshold, a.message FROM anomalies a ORDER BY a.step, a.id")
+        return checks.table(pd.DataFrame(rows, columns=["step", "kind", "tensor", "detector",
+                                                        "value", "threshold", "message"]),
+                            "anomalies", self._r(rank).path, ints=["step"],
+                            texts_=["kind", "tensor", "detector", "message"],
                             numbers_=["value", "threshold"])
 
     def diagnoses(self, rank: int = 0, threshold: float | None = None) -> pd.DataFrame:

@@ -104,6 +104,9 @@ class Scope:
         self.exact_views = exact_views
         self.rank = _default_rank() if rank is None else rank
         self.run_dir = Path(path) / run
+        if instruments is not None:  # a typo fails here, not at watch()
+            from ..instruments.config import resolve_quantities
+            resolve_quantities(instruments)
         self._instrument_spec = instruments
         self._instrument_schedule = (self.schedule if instrument_schedule is None
                                      else as_schedule(instrument_schedule))
@@ -112,6 +115,8 @@ class Scope:
         self._seed = seed
         self.instruments: Any = None
         self.monitor: Any = None
+        self._optimizer: torch.optim.Optimizer | None = None  # its lr is logged as a KPI
+        self._layer_prefix = ""  # watch(name=...) of the instrumented model
         if anomalies not in (None, False, True, "check", "trace"):
             raise ValueError(f"anomalies must be 'check', 'trace' or False, not {anomalies!r}")
         self._anomalies = "check" if anomalies is True else (anomalies or None)
@@ -179,7 +184,9 @@ class Scope:
 
         name: prefix for the names (default none). activations: also record every module's
         output by forward hooks (names from module paths; the model's own output has role
-        "output"). optimizer: lets instruments read the learning rate (CABS). node_depth:
+        "output"). optimizer: its learning rate (of the first parameter group, as at the start
+        of each step) is logged as the KPI "learning_rate" unless the step logs one itself;
+        instruments read it too (CABS). node_depth:
         group parameters into graph nodes by the first `node_depth` parts of their module
         path (default: the full module path). Returns the model unchanged.
 
@@ -212,7 +219,11 @@ class Scope:
             self.monitor = HealthMonitor(model, prefix=name or "", root_name=name or "model",
                                          record_next=self._record_next,
                                          trace=self._anomalies == "trace")
+        if optimizer is not None:
+            self._optimizer = optimizer
         if self._instrument_spec is not None and self.instruments is None:
+            # quantity layers carry the recorded parameter names ("head.weight")
+            self._layer_prefix = prefix
             from ..instruments.suite import Instruments  # heavy; only when asked for
             self.instruments = Instruments(
                 model, self._instrument_spec, schedule=self._instrument_schedule,
@@ -261,6 +272,11 @@ class Scope:
     def _enter(self, rec: StepRecorder) -> None:
         self._current = rec
         self._last_step = rec.step
+        if self._optimizer is not None:  # the rate this step's update uses
+            try:
+                rec._learning_rate = float(self._optimizer.param_groups[0]["lr"])
+            except (KeyError, IndexError, TypeError, ValueError):
+                pass  # an optimiser without one plain learning rate: nothing to log
         if rec.recording and self._guard(rec._start) is _FAILED:
             rec.recording = False
         if rec._instrumented and self._guard(self.instruments.start, rec.step,
@@ -286,6 +302,9 @@ class Scope:
             if rec._instrumented:
                 self._guard(self.instruments.abort)
             return
+        lr = getattr(rec, "_learning_rate", None)
+        if lr is not None and all(n != "learning_rate" for n, _ in rec._kpis):
+            rec._kpis.append(("learning_rate", lr))
         # The kind may have been decided during the step (dynamic recording).
         self._kpi_rows.extend((n, rec.step, rec.kind, v) for n, v in rec._kpis)
         if rec.recording or time.monotonic() - self._kpi_sent > KPI_FLUSH_SECONDS:
@@ -296,6 +315,8 @@ class Scope:
             quantities = self._guard(self.instruments.finish) or []
             if quantities is _FAILED:
                 quantities = []
+            for q in quantities:
+                q.layer = self._layer_prefix + q.layer if q.layer else q.layer
             self._guard(self._send_warnings, rec.step)
         submitted = False
         if rec.recording and rec._keep():

@@ -288,6 +288,7 @@ class StepRecorder:
 
     @property
     def iteration_index(self) -> int:
+        """Index of the current iteration of this step (0 until a second `iteration()`)."""
         return self._iteration
 
     # --- internals ------------------------------------------------------------------------
