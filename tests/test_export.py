@@ -57,7 +57,7 @@ def test_quantity_metadata_nested_and_clashing_keys(tmp_path):
                                "meta"]
     assert q["value"].tolist() == [0.5, 1.0] and q["meta.value"].tolist()[0] == 7
     assert q["fit.tau"].tolist()[0] == 0.1 and q["meta"].tolist()[1] == {}
-    empty = deepscope.open_run(tmp_path / "r").quantities("nothing")
+    empty = deepscope.open_run(tmp_path / "r").quantities("HessMaxEV")  # known, not tracked
     assert list(empty.columns) == ["step", "name", "layer", "value", "meta"] and empty.empty
 
 
