@@ -1,14 +1,41 @@
 """deepscope: see inside a PyTorch network while it trains, and find out why training goes wrong.
 
 Record with `Scope`, read with `open_run` / `open_project`, explore with `deepscope serve`.
+
+The names load on first use, so reading a run (`deepscope.query`, the GUI) never imports the
+recorder, the instruments or torch.
 """
 
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from .errors import CorruptRunError, DeepscopeError, RecordingError
-from .query import Project, Run, open_project, open_run
-from .recorder import Scope, StepRecorder, at, every, log_spaced, never, per_kind
 
 __version__ = "0.1.0"
+
+# Each lazily loaded public name and the module that defines it.
+_HOMES = {
+    "Project": ".query", "Run": ".query", "open_project": ".query", "open_run": ".query",
+    "Scope": ".recorder", "StepRecorder": ".recorder", "at": ".recorder", "every": ".recorder",
+    "log_spaced": ".recorder", "never": ".recorder", "per_kind": ".recorder",
+}
 
 __all__ = ["CorruptRunError", "DeepscopeError", "Project", "RecordingError", "Run", "Scope",
            "StepRecorder", "__version__", "at", "every", "log_spaced", "never", "open_project",
            "open_run", "per_kind"]
+
+if TYPE_CHECKING:
+    from .query import Project, Run, open_project, open_run
+    from .recorder import Scope, StepRecorder, at, every, log_spaced, never, per_kind
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        value = getattr(import_module(_HOMES[name], __name__), name)
+        globals()[name] = value  # once loaded, a plain attribute
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

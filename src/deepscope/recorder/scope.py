@@ -201,7 +201,7 @@ class Scope:
                                          record_next=self._record_next,
                                          trace=self._anomalies == "trace")
         if self._instrument_spec is not None and self.instruments is None:
-            from ..instruments.suite import Instruments  # heavy; only when asked for
+            from ..instruments.suite import Instruments  # loads only for a Scope with instruments
             self.instruments = Instruments(
                 model, self._instrument_spec, schedule=self._instrument_schedule,
                 optimizer=optimizer, schedules=self._quantity_schedules, seed=self._seed,

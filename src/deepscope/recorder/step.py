@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..hookstate import hooks_paused
+from ..records import StepPayload, TensorInfo
 from ..store import limits
-from ..store.writer import StepPayload, TensorInfo
 from .graph import ModuleCall, Named, build_graphs, graph_hash, saved_attachments
 from .summary import Capture, summarise_captures
 
