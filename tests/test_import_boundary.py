@@ -34,6 +34,10 @@ def _forbidden(modules: list[str]) -> list[str]:
     "import deepscope.query",
     "import deepscope; deepscope.open_run",
     "import deepscope.gui.app",
+    # what `deepscope serve` loads before the server starts: every verb, the server module
+    "from deepscope.cli.main import build_parser; build_parser().parse_args(['serve', '.'])\n"
+    "import deepscope.gui.server",
+    "import deepscope.anomalies, deepscope.demo",  # lazy packages: their heavy names on use
 ])
 def test_reading_loads_no_torch_and_no_instruments(code: str) -> None:
     assert _forbidden(_loaded_after(code)) == []

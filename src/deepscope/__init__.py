@@ -6,10 +6,10 @@ The names load on first use, so reading a run (`deepscope.query`, the GUI) never
 recorder, the instruments or torch.
 """
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .errors import CorruptRunError, DeepscopeError, RecordingError
+from .lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -29,13 +29,4 @@ if TYPE_CHECKING:
     from .recorder import Scope, StepRecorder, at, every, log_spaced, never, per_kind
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        value = getattr(import_module(_HOMES[name], __name__), name)
-        globals()[name] = value  # once loaded, a plain attribute
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+__getattr__, __dir__ = lazy_attributes(__name__, _HOMES)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli.main import verb
+from ..cli.verbs import verb
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -14,7 +14,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8050, help="port (default 8050)")
 
 
-@verb("serve", "open the GUI on a project folder in the browser", _serve_args)
+@verb("serve", "open the GUI on a project folder in the browser", _serve_args, extra="gui")
 def serve_cmd(args: argparse.Namespace) -> int:
     try:
         from .server import serve  # dash is an optional extra: import it only when used
