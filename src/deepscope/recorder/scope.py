@@ -18,15 +18,14 @@ from torch import nn
 
 from ..anomalies.monitor import HealthMonitor
 from ..hookstate import hooks_paused
-from ..naming import named_leaves
 from ..store import limits
 from ..store.layout import check_run_name, rank_file, rank_files
 from ..store.writer import RunLock, StoreWriter
 from .buffers import BufferPool
-from .graph import ModuleCall, memory_region
+from .context import StepContext, StepOutcome
 from .schedule import Schedule, as_schedule, every
 from .stats import DEFAULT_MAX_NEURONS
-from .step import StepRecorder, check_text, unrecordable
+from .step import StepRecorder, check_text
 
 log = logging.getLogger("deepscope")
 _open_scopes: weakref.WeakSet = weakref.WeakSet()
@@ -244,7 +243,35 @@ class Scope:
                      and bool(self.dynamic(step, kind)))
         instrumented = (live and self.instruments is not None
                         and bool(self._guard(self.instruments.wants, step, kind)))
-        return StepRecorder(self, step, kind, record, tentative, instrumented)
+        return StepRecorder(self._step_context(), step, kind, record, tentative, instrumented)
+
+    def begin_step(self, step: int, kind: str = "default") -> StepRecorder:
+        """Open step `step` of kind `kind` for callers that cannot use a `with` block
+        (framework callbacks); close it with `end_step`. The same as entering
+        `scope.step(step, kind)`, with the same checks."""
+        return self.step(step, kind).__enter__()
+
+    def end_step(self, *, discard: bool = False) -> None:
+        """Close the open step and store it. discard: store none of its data (its KPIs and
+        instrument values included), as when a `with scope.step(n)` block is left by an
+        exception: pass it for a step that failed or was left half-done.
+
+        Raises:
+            ValueError: if no step is open.
+        """
+        if self._current is None:
+            raise ValueError("scope.end_step() called with no step open; open one with "
+                             "scope.begin_step(n) first")
+        self._end(self._current, discard)
+
+    def _step_context(self) -> StepContext:
+        return StepContext(
+            scope=self, begin=self._enter, end=self._end, guard=self._guard,
+            warn_once=self._warn_once, params=self._params, param_nodes=self._param_nodes,
+            graph_cache=self._graph_cache, buffers=self.buffers, monitor=self.monitor,
+            instruments=self.instruments, keep_if=self.keep_if, max_samples=self.max_samples,
+            max_neurons=self.max_neurons, singular_values=self.singular_values,
+            exact_views=self.exact_views)
 
     def _enter(self, rec: StepRecorder) -> None:
         self._current = rec
@@ -257,26 +284,29 @@ class Scope:
         if self.monitor is not None:
             self._guard(self.monitor.start, rec.step, rec.kind)
 
-    def _exit(self, rec: StepRecorder, failed: bool) -> None:
+    def _end(self, rec: StepRecorder, failed: bool) -> None:
         self._current = None
-        rec._remove_hooks()
-        if failed:  # the user's step raised: store nothing half-done
-            if rec._instrumented:
+        self._store(rec._finish(failed))
+
+    def _store(self, outcome: StepOutcome) -> None:
+        """Route an ended step: KPIs, health findings, instrument values, recorded data."""
+        if outcome.failed:  # the user's step raised: store nothing half-done
+            if outcome.instrumented:
                 self._guard(self.instruments.abort)
             return
         # The kind may have been decided during the step (dynamic recording).
-        self._kpi_rows.extend((n, rec.step, rec.kind, v) for n, v in rec._kpis)
-        if rec.recording or time.monotonic() - self._kpi_sent > KPI_FLUSH_SECONDS:
+        self._kpi_rows.extend((n, outcome.step, outcome.kind, v) for n, v in outcome.kpis)
+        if outcome.recorded or time.monotonic() - self._kpi_sent > KPI_FLUSH_SECONDS:
             self._send_kpis()
-        findings = self._check_health(rec.step)
+        findings = self._check_health(outcome.step)
         quantities = []
-        if rec._instrumented:
+        if outcome.instrumented:
             quantities = self._guard(self.instruments.finish) or []
             if quantities is _FAILED:
                 quantities = []
         submitted = False
-        if rec.recording and rec._keep():
-            payload = self._guard(rec._payload)
+        if outcome.recorded and outcome.keep():
+            payload = self._guard(outcome.payload)
             if payload is not _FAILED:
                 payload.quantities = quantities
                 self.writer.submit_step(payload)
@@ -312,32 +342,8 @@ class Scope:
             rec = self._current
             # hooks_paused: an instrument re-running a module's forward is not the user's
             if rec is not None and rec.recording and not hooks_paused():
-                self._guard(self._record_output, rec, path, is_root, output, module, inputs)
+                self._guard(rec._record_output, path, is_root, output, module, inputs)
         return hook
-
-    def _record_output(self, rec: StepRecorder, path: str, is_root: bool, output: Any,
-                       module: nn.Module, inputs: Any) -> None:
-        role = "output" if is_root else "activation"
-        frozen = tuple(id(p) for p in module.parameters(recurse=False) if not p.requires_grad)
-        if rec._after_loss:  # the next micro-batch's forward (gradient accumulation)
-            rec._next_micro_batch()
-        for suffix, t in named_leaves(output):
-            if reason := unrecordable(t):  # e.g. a sparse output: the other outputs go on
-                self._warn_once(f"activation {path + suffix}: {reason}; it is not recorded")
-                continue
-            base = path + suffix
-            count = rec._activation_counts.get((base, rec._iteration), 0)
-            rec._activation_counts[(base, rec._iteration)] = count + 1
-            name = base if count == 0 else f"{base}#{count + 1}"
-            if (name, rec._iteration) in rec._seen:
-                continue  # the user registered this name explicitly
-            rec.tensor(name, t, role=role, node=path, role_in_node=suffix.lstrip(".") or
-                       "output")
-            no_grad = t.grad_fn is None and not t.requires_grad
-            if no_grad or frozen:  # edges autograd does not have
-                regions = tuple(memory_region(x) for _, x in named_leaves(inputs)
-                                ) if no_grad else ()
-                rec._module_calls[(name, rec._iteration)] = ModuleCall(regions, frozen)
 
     # --- failures inside recording never stop training -------------------------------------
     def _warn_once(self, message: str) -> None:
