@@ -36,6 +36,27 @@ class QuantityValue:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class InstrumentWarning:
+    """Something about a run's recording the user may want to change, stored once per run.
+
+    step:       the step at which it first occurred (None: outside any step).
+    location:   what it is about: a module label ("BatchNorm1d 'bn'"), a parameter
+                ("parameter 'head.weight'"), or "" for the whole model.
+    quantities: the instrument quantities whose values it affects.
+    message:    one line: what happened and what to do.
+    """
+
+    step: int | None
+    location: str
+    quantities: tuple[str, ...]
+    message: str
+
+    def text(self) -> str:
+        """The one-line form shown to the user: location and message."""
+        return f"{self.location}: {self.message}" if self.location else self.message
+
+
 @dataclass
 class TensorInfo:
     """Static description of a named tensor (stored once per name)."""
