@@ -130,3 +130,14 @@ def test_small_summaries_equal_per_tensor_stats(empty):
     for row, t in zip(got, tensors):
         want = tensor_stats(t).numpy()
         np.testing.assert_allclose(row, want, rtol=1e-12, atol=1e-12, equal_nan=True)
+
+
+@pytest.mark.parametrize("values", [
+    np.array([1.5, -2.0, 0.0, 3.25, 0.0], dtype=np.float32),
+    np.array([1.0, np.nan, np.inf, -np.inf, -4.0, 0.0], dtype=np.float32),
+    np.array([np.nan, np.inf], dtype=np.float32)])
+def test_gui_item_stats_equal_the_recorders(values):
+    """The GUI's statistics of one stored batch item (NumPy, no torch) are the recorder's."""
+    from deepscope.gui.panels import item_stats
+    want = tensor_stats(torch.from_numpy(values)).numpy()
+    np.testing.assert_allclose(item_stats(values), want, rtol=1e-12, equal_nan=True)

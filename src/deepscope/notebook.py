@@ -80,12 +80,16 @@ def history(path_or_run: str | Path | Run, name: str, statistic: str = "mean", *
 
     run = path_or_run if isinstance(path_or_run, Run) else Run(path_or_run)
     try:
-        kpi = run.kpis(name)
-        if len(kpi):
+        kpis = run.kpis()
+        if name in set(kpis["name"]):
+            kpi = kpis[kpis["name"] == name]
             x, y, title = kpi.step, kpi.value, f"{run.name}: {name}"
         else:
-            table = run.stats(name, direction=direction, statistic=statistic,
-                              iteration=iteration)
+            try:
+                table = run.stats(name, direction=direction, statistic=statistic,
+                                  iteration=iteration)
+            except KeyError:  # no such tensor: said below, with the tensors there are
+                table = ()
             if not len(table):
                 tensors = sorted(set(run.tensors().name))
                 raise ValueError(f"run {run.name!r} has no KPI {name!r} and no {direction} "

@@ -28,6 +28,7 @@ from typing import NoReturn
 import torch
 
 import deepscope
+import deepscope.query  # noqa: F401 - loaded before the writers start: polls time reads, not imports
 from tests.stress import workload
 
 LANES = {"block": {"on_full": "block", "queue_size": 4},

@@ -4,25 +4,21 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
+from ..anomalies.cli import doctor_cmd
+from ..dashboard.cli import plot_cmd
+from ..demo.cli import demo
 from ..errors import DeepscopeError
+from ..export.cli import export
+from ..gui.cli import serve_cmd
 from ..query import Project, Run
 from ..store.layout import is_run_dir
 from .text import SafeStream, clean
+from .verbs import Verb, verb
 
-Verb = Callable[[argparse.Namespace], int]
-VERBS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Verb]] = {}
-
-
-def verb(name: str, help: str, configure: Callable[[argparse.ArgumentParser], None]
-         ) -> Callable[[Verb], Verb]:
-    """Register a sub-command; feature modules add theirs the same way."""
-    def register(fn: Verb) -> Verb:
-        VERBS[name] = (help, configure, fn)
-        return fn
-    return register
+__all__ = ["VERBS", "Verb", "build_parser", "main", "verb"]
 
 
 def _ls_args(p: argparse.ArgumentParser) -> None:
@@ -66,28 +62,21 @@ def _size(n: float) -> str:
     return f"{n:.1f} GB"
 
 
-def _load_verbs() -> None:
-    """Import the modules that register the other verbs (optional extras may be missing)."""
-    import importlib
-    for module in ("deepscope.gui.cli", "deepscope.demo.cli", "deepscope.dashboard.cli",
-                   "deepscope.export.cli", "deepscope.anomalies.cli"):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if not (exc.name or "").startswith("deepscope"):
-                raise
+# Every verb, in the order `deepscope --help` lists them. Their modules import no optional
+# extra (nor torch) at module level: each verb loads what it needs when it runs, so every
+# verb is always listed and the command starts fast.
+VERBS: tuple[Verb, ...] = (ls, serve_cmd, demo, plot_cmd, export, doctor_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    _load_verbs()
     parser = argparse.ArgumentParser(
         prog="deepscope", description="See inside a PyTorch network while it trains.")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
-    for name, (help_text, configure, fn) in VERBS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        configure(p)
-        p.set_defaults(func=fn)
+    for v in VERBS:
+        p = sub.add_parser(v.name, help=v.help, description=v.help)
+        v.configure(p)
+        p.set_defaults(func=v)
     return parser
 
 
@@ -98,6 +87,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.stdout, sys.stderr = SafeStream(stdout), SafeStream(stderr)
     try:
         return int(args.func(args) or 0)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "deepscope").partition(".")[0] == "deepscope" or not args.func.extra:
+            raise  # not an optional extra: a bug, with its traceback
+        print(f"deepscope: error: `deepscope {args.func.name}` needs {exc.name}: "
+              f"pip install 'deepscope[{args.func.extra}]'", file=sys.stderr)
+        return 2
     except (ValueError, TypeError, KeyError, DeepscopeError, OSError) as exc:
         # One line, no traceback: every deepscope error message names the fix.
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc

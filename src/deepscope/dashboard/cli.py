@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli.main import verb
+from ..cli.verbs import verb
 
 
 def _plot_args(p: argparse.ArgumentParser) -> None:

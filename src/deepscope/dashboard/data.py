@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..instruments.config import resolve_quantities
+from ..catalogue import resolve_quantities
 from ..query import Project, Run
 from ..store.layout import is_run_dir
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli.main import _size, verb
-from .train import DEFAULT_PATH, DEFAULT_PORT, DemoConfig, run_demo, serve_demo
+from ..cli.verbs import verb
+from .config import DEFAULT_PATH, DEFAULT_PORT, DemoConfig
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -22,6 +22,9 @@ def _args(p: argparse.ArgumentParser) -> None:
 @verb("demo", "record the comgra tutorial's bug hunt (a bugged and a fixed run) and open it",
       _args)
 def demo(args: argparse.Namespace) -> int:
+    from ..cli.main import _size
+    from .train import run_demo, serve_demo  # torch loads only for this verb
+
     result = run_demo(args.path, steps=args.steps)
     print(f"recorded {len(result['runs'])} runs into {result['path']} in "
           f"{result['seconds']:.0f} s, {_size(result['size_bytes'])} on disk"

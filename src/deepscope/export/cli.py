@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..cli.main import verb
+from ..cli.verbs import verb
 from ..query.run import Run
 from .parquet import export_parquet
 from .tensorboard import export_tensorboard
@@ -17,7 +17,8 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parquet", metavar="DIR", help="write one Parquet file per table here")
 
 
-@verb("export", "export a run to TensorBoard event files or Parquet tables", _args)
+@verb("export", "export a run to TensorBoard event files or Parquet tables", _args,
+      extra="export")
 def export(args: argparse.Namespace) -> int:
     if not (args.tensorboard or args.parquet):
         raise ValueError("say where to export: --tensorboard DIR and/or --parquet DIR")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli.main import verb
+from ..cli.verbs import verb
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -15,7 +15,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 @verb("serve", "serve the GUI for a project folder on http://127.0.0.1:8050 (open that "
-      "address in your browser)", _serve_args)
+      "address in your browser)", _serve_args, extra="gui")
 def serve_cmd(args: argparse.Namespace) -> int:
     try:
         from .server import serve  # dash is an optional extra: import it only when used

@@ -11,11 +11,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 from dash import html
 
-from ..recorder.stats import DEFAULT_MAX_VALUES, tensor_stats
-from ..store.schema import STAT_COLUMNS
+from ..store.schema import SAMPLE_MAX_VALUES, STAT_COLUMNS
 from .data import ProjectData, RunData
 from .figures import (
     Figure,
@@ -105,10 +103,29 @@ def _item_stats(rd: RunData, sel: dict[str, Any]) -> tuple[list[float] | None, s
             return None, f"item {sample}'s values not stored"
     if sample >= len(values):
         return None, f"item {sample}'s values not stored"
-    if values[sample].size >= DEFAULT_MAX_VALUES:
-        return None, f"item {sample}'s values stored cut to {DEFAULT_MAX_VALUES} elements"
-    stats = tensor_stats(torch.from_numpy(np.ascontiguousarray(values[sample])))
-    return stats.tolist(), ""
+    if values[sample].size >= SAMPLE_MAX_VALUES:
+        return None, f"item {sample}'s values stored cut to {SAMPLE_MAX_VALUES} elements"
+    return item_stats(values[sample]), ""
+
+
+def item_stats(values: np.ndarray) -> list[float]:
+    """`STAT_COLUMNS` of one batch item's stored values, as the recorder defines them
+    (moments over the finite elements, non-finite counts beside; sv_max not computed)."""
+    x = np.asarray(values, dtype=np.float64).reshape(-1)
+    finite = x[np.isfinite(x)]
+    n, count = x.size, finite.size
+    mean = finite.sum() / count if count else math.nan
+    row = {"numel": float(n), "mean": mean,
+           "std": float(np.sqrt(np.mean((finite - mean) ** 2))) if count else math.nan,
+           "abs_mean": float(np.abs(finite).sum() / count) if count else math.nan,
+           "min": float(finite.min()) if count else math.nan,
+           "max": float(finite.max()) if count else math.nan,
+           "abs_max": float(np.abs(finite).max()) if count else math.nan,
+           "norm": float(np.sqrt(np.dot(finite, finite))),
+           "zero_frac": float(np.count_nonzero(x == 0) / max(n, 1)),
+           "nan": float(np.isnan(x).sum()), "posinf": float(np.isposinf(x).sum()),
+           "neginf": float(np.isneginf(x).sum()), "sv_max": math.nan}
+    return [float(row[c]) for c in STAT_COLUMNS]
 
 
 def _view_of(batch: str) -> tuple[str, int | None]:

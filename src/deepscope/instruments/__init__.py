@@ -2,12 +2,14 @@
 gradients (`engine`) and matrix-free curvature (`curvature`).
 
 `Instruments` is what the recorder drives; `resolve_quantities` validates a choice of
-quantities; `QUANTITY_NAMES` and `CONFIGURATIONS` list what exists.
+quantities; `QUANTITY_NAMES` and `CONFIGURATIONS` list what exists. `Instruments` loads on
+first use: the names and configurations (which the query API checks names against) do not
+import torch.
 """
 
+from ..lazy import lazy_attributes
 from .base import TOTAL, QuantityValue
 from .config import CONFIGURATIONS, QUANTITY_NAMES, resolve_quantities
-from .suite import Instruments
 
 __all__ = [
     "CONFIGURATIONS",
@@ -17,3 +19,5 @@ __all__ = [
     "QuantityValue",
     "resolve_quantities",
 ]
+
+__getattr__, __dir__ = lazy_attributes(__name__, {"Instruments": ".suite"})

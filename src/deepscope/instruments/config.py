@@ -1,49 +1,21 @@
-"""Quantity names, the Cockpit configurations, and validation of a user's choice.
-
-The configurations are exactly Cockpit's (see QUANTITIES.md): economy, business (economy
-plus TICDiag and HessTrace) and full (business plus HessMaxEV and GradHist2d). TICTrace,
-MeanGSNR, CABS and EarlyStopping are in no configuration and are available by name.
+"""What each quantity needs at a step, and the curvature modes; the names and
+configurations live in the catalogue (`deepscope.catalogue`, torch-free) and are re-exported
+here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from ..suggest import did_you_mean
-
-# Every quantity, in the order the suite reports them.
-QUANTITY_NAMES: tuple[str, ...] = (
-    "Loss",
-    "GradNorm",
-    "Distance",
-    "UpdateSize",
-    "NormTest",
-    "InnerTest",
-    "OrthoTest",
-    "GradHist1d",
-    "GradHist2d",
-    "Alpha",
-    "HessTrace",
-    "TICDiag",
-    "TICTrace",
-    "HessMaxEV",
-    "MeanGSNR",
-    "CABS",
-    "EarlyStopping",
+from ..catalogue import (
+    BUSINESS,
+    CONFIGURATIONS,
+    ECONOMY,
+    FULL,
+    QUANTITY_NAMES,
+    resolve_quantities,
 )
 
-ECONOMY: frozenset[str] = frozenset(
-    {"Alpha", "Distance", "GradHist1d", "GradNorm", "InnerTest", "Loss", "NormTest",
-     "OrthoTest", "UpdateSize"}
-)
-BUSINESS: frozenset[str] = ECONOMY | {"TICDiag", "HessTrace"}
-FULL: frozenset[str] = BUSINESS | {"HessMaxEV", "GradHist2d"}
-
-CONFIGURATIONS: dict[str, frozenset[str]] = {
-    "economy": ECONOMY,
-    "business": BUSINESS,
-    "full": FULL,
-}
+__all__ = ["BUSINESS", "CONFIGURATIONS", "ECONOMY", "FULL", "QUANTITY_NAMES",
+           "resolve_quantities"]
 
 # What each quantity needs at a step, so the suite turns on only that.
 NEEDS_ENGINE: frozenset[str] = frozenset(
@@ -61,59 +33,12 @@ NEEDS_SNAPSHOT: frozenset[str] = frozenset({"UpdateSize", "Alpha", "GradHist2d"}
 CURVATURE_MODES: tuple[str, ...] = ("auto", "exact", "hutchinson")
 
 
-def _valid_names_text() -> str:
-    return (
-        f"valid configurations: {', '.join(CONFIGURATIONS)}; "
-        f"valid quantity names: {', '.join(QUANTITY_NAMES)}"
-    )
-
-
-def resolve_quantities(quantities: str | Sequence[str]) -> tuple[str, ...]:
-    """The chosen quantity names, deduplicated, in `QUANTITY_NAMES` order.
-
-    Args:
-        quantities: "economy" | "business" | "full" (any case), one quantity name, or a
-            sequence of quantity names (exact Cockpit spelling, e.g. "GradNorm").
-
-    Raises:
-        TypeError: if `quantities` is neither a string nor a sequence of strings.
-        ValueError: for an unknown or empty choice; the message lists the valid names.
-    """
-    if isinstance(quantities, str):
-        if quantities.lower() in CONFIGURATIONS:
-            chosen: set[str] = set(CONFIGURATIONS[quantities.lower()])
-        else:
-            chosen = {quantities}
-    elif isinstance(quantities, Sequence):
-        chosen = set()
-        for name in quantities:
-            if not isinstance(name, str):
-                raise TypeError(
-                    f"quantities must hold strings, got {type(name).__name__}; "
-                    "pass names such as ['GradNorm', 'Alpha']"
-                )
-            chosen.add(name)
-    else:
-        raise TypeError(
-            "quantities must be a configuration name or a list of quantity names, "
-            f"got {type(quantities).__name__}"
-        )
-    unknown = sorted(chosen - set(QUANTITY_NAMES))
-    if unknown:
-        raise ValueError(did_you_mean(unknown[0], [*CONFIGURATIONS, *QUANTITY_NAMES],
-                                      "quantity", known_as="valid configurations and names",
-                                      shown=len(CONFIGURATIONS) + len(QUANTITY_NAMES)))
-    if not chosen:
-        raise ValueError(f"no quantity chosen; {_valid_names_text()}")
-    return tuple(name for name in QUANTITY_NAMES if name in chosen)
-
-
 def check_curvature_mode(mode: str) -> str:
     """Return `mode` if it is a valid Hessian-diagonal mode, else raise a one-line error.
 
-    "auto": exact diagonal (D HVPs) when the model has at most 5000 parameters, else
-    Hutchinson; "exact": always exact (D HVPs, however large the model); "hutchinson":
-    always Hutchinson.
+    "auto": the exact diagonal (D HVPs) when its measured cost fits a budget of a few
+    training steps, else Hutchinson (`curvature.choose_diagonal`); "exact": always exact
+    (D HVPs, however large the model); "hutchinson": always Hutchinson.
     """
     if not isinstance(mode, str) or mode not in CURVATURE_MODES:
         raise ValueError(f"curvature must be one of {', '.join(CURVATURE_MODES)}, got {mode!r}")

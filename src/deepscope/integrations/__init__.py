@@ -9,7 +9,6 @@ Each module imports its framework when it is imported; `import deepscope` import
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 from pathlib import Path
 from types import ModuleType
@@ -29,10 +28,6 @@ def require(module: str, extra: str) -> ModuleType:
                           f"pip install 'deepscope[{extra}]'") from None
 
 
-class StepLeftOpen(Exception):
-    """Ends a step that training left before its optimizer step (nothing of it is stored)."""
-
-
 class CallbackRecorder:
     """What the callbacks share: the `Scope` they open, and a step kept open across the
     micro-batches of one optimizer step (a `with scope.step(n)` spread over hooks)."""
@@ -47,7 +42,6 @@ class CallbackRecorder:
         self._scope_options = dict(schedule=schedule, instruments=instruments,
                                    **scope_options)
         self.scope: Scope | None = None
-        self._steps: contextlib.ExitStack | None = None
         self._rec: StepRecorder | None = None
 
     def _open_scope(self) -> Scope:
@@ -55,22 +49,20 @@ class CallbackRecorder:
         return self.scope
 
     def _open_step(self, step: int) -> StepRecorder:
-        self._steps = contextlib.ExitStack()
-        self._rec = self._steps.enter_context(self.scope.step(step))
+        self._rec = self.scope.begin_step(step)
         return self._rec
 
     def _end_step(self) -> None:
-        steps, self._steps, self._rec = self._steps, None, None
-        if steps is not None:
-            steps.close()
+        rec, self._rec = self._rec, None
+        if rec is not None:
+            self.scope.end_step()
 
     def _close_run(self, error: BaseException | None) -> None:
         """Drop the open step, note "interrupted: <ErrorType>: <message>" if training raised
         `error`, close the scope. Idempotent."""
-        steps, self._steps, self._rec = self._steps, None, None
-        if steps is not None:  # its half-done data is dropped, as in a raising `with` block
-            reason = error or StepLeftOpen("training ended inside the step")
-            steps.__exit__(type(reason), reason, reason.__traceback__)
+        rec, self._rec = self._rec, None
+        if rec is not None:  # left before its optimizer step: its half-done data is dropped
+            self.scope.end_step(discard=True)
         scope = self.scope
         if scope is None or scope.closed:
             return

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..catalogue import QUANTITY_NAMES
 from ..errors import CorruptRunError
-from ..instruments.config import QUANTITY_NAMES
 from ..store.layout import check_links, rank_files
 from ..store.reader import StoreReader
 from ..store.schema import STAT_COLUMNS

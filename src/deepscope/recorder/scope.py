@@ -20,15 +20,14 @@ from torch import nn
 from ..anomalies.monitor import HealthMonitor
 from ..errors import DeepscopeWarning
 from ..hookstate import hooks_paused
-from ..naming import named_leaves
 from ..store import limits
 from ..store.layout import check_run_name, rank_file, rank_files
 from ..store.writer import FINISHED, INTERRUPTED, RunLock, StoreWriter
 from .buffers import BufferPool
-from .graph import ModuleCall, memory_region
+from .context import StepContext, StepOutcome
 from .schedule import Schedule, as_schedule, every
 from .stats import DEFAULT_MAX_NEURONS
-from .step import StepRecorder, check_text, unrecordable
+from .step import StepRecorder, check_text
 
 log = logging.getLogger("deepscope")
 _open_scopes: weakref.WeakSet = weakref.WeakSet()
@@ -105,7 +104,7 @@ class Scope:
         self.rank = _default_rank() if rank is None else rank
         self.run_dir = Path(path) / run
         if instruments is not None:  # a typo fails here, not at watch()
-            from ..instruments.config import resolve_quantities
+            from ..catalogue import resolve_quantities
             resolve_quantities(instruments)
         self._instrument_spec = instruments
         self._instrument_schedule = (self.schedule if instrument_schedule is None
@@ -116,6 +115,7 @@ class Scope:
         self.instruments: Any = None
         self.monitor: Any = None
         self._optimizer: torch.optim.Optimizer | None = None  # its lr is logged as a KPI
+        self._step_lr: float | None = None  # that lr at the start of the current step
         self._layer_prefix = ""  # watch(name=...) of the instrumented model
         if anomalies not in (None, False, True, "check", "trace"):
             raise ValueError(f"anomalies must be 'check', 'trace' or False, not {anomalies!r}")
@@ -224,7 +224,7 @@ class Scope:
         if self._instrument_spec is not None and self.instruments is None:
             # quantity layers carry the recorded parameter names ("head.weight")
             self._layer_prefix = prefix
-            from ..instruments.suite import Instruments  # heavy; only when asked for
+            from ..instruments.suite import Instruments  # loads only for a Scope with instruments
             self.instruments = Instruments(
                 model, self._instrument_spec, schedule=self._instrument_schedule,
                 optimizer=optimizer, schedules=self._quantity_schedules, seed=self._seed,
@@ -267,14 +267,43 @@ class Scope:
                      and bool(self.dynamic(step, kind)))
         instrumented = (live and self.instruments is not None
                         and bool(self._guard(self.instruments.wants, step, kind)))
-        return StepRecorder(self, step, kind, record, tentative, instrumented)
+        return StepRecorder(self._step_context(), step, kind, record, tentative, instrumented)
+
+    def begin_step(self, step: int, kind: str = "default") -> StepRecorder:
+        """Open step `step` of kind `kind` for callers that cannot use a `with` block
+        (framework callbacks); close it with `end_step`. The same as entering
+        `scope.step(step, kind)`, with the same checks."""
+        return self.step(step, kind).__enter__()
+
+    def end_step(self, *, discard: bool = False) -> None:
+        """Close the open step and store it. discard: store none of its data (its KPIs and
+        instrument values included), as when a `with scope.step(n)` block is left by an
+        exception: pass it for a step that failed or was left half-done.
+
+        Raises:
+            ValueError: if no step is open.
+        """
+        if self._current is None:
+            raise ValueError("scope.end_step() called with no step open; open one with "
+                             "scope.begin_step(n) first")
+        self._end(self._current, discard)
+
+    def _step_context(self) -> StepContext:
+        return StepContext(
+            scope=self, begin=self._enter, end=self._end, guard=self._guard,
+            warn_once=self._warn_once, params=self._params, param_nodes=self._param_nodes,
+            graph_cache=self._graph_cache, buffers=self.buffers, monitor=self.monitor,
+            instruments=self.instruments, keep_if=self.keep_if, max_samples=self.max_samples,
+            max_neurons=self.max_neurons, singular_values=self.singular_values,
+            exact_views=self.exact_views)
 
     def _enter(self, rec: StepRecorder) -> None:
         self._current = rec
         self._last_step = rec.step
+        self._step_lr = None
         if self._optimizer is not None:  # the rate this step's update uses
             try:
-                rec._learning_rate = float(self._optimizer.param_groups[0]["lr"])
+                self._step_lr = float(self._optimizer.param_groups[0]["lr"])
             except (KeyError, IndexError, TypeError, ValueError):
                 pass  # an optimiser without one plain learning rate: nothing to log
         if rec.recording and self._guard(rec._start) is _FAILED:
@@ -292,35 +321,38 @@ class Scope:
             if self._stance is _FAILED:  # e.g. called inside a compiled region
                 self._stance = None
 
-    def _exit(self, rec: StepRecorder, failed: bool) -> None:
+    def _end(self, rec: StepRecorder, failed: bool) -> None:
         self._current = None
         if self._stance is not None:
             self._stance.__exit__(None, None, None)  # the stance before this step
             self._stance = None
-        rec._remove_hooks()
-        if failed:  # the user's step raised: store nothing half-done
-            if rec._instrumented:
+        self._store(rec._finish(failed))
+
+    def _store(self, outcome: StepOutcome) -> None:
+        """Route an ended step: KPIs, health findings, instrument values, recorded data."""
+        if outcome.failed:  # the user's step raised: store nothing half-done
+            if outcome.instrumented:
                 self._guard(self.instruments.abort)
             return
-        lr = getattr(rec, "_learning_rate", None)
-        if lr is not None and all(n != "learning_rate" for n, _ in rec._kpis):
-            rec._kpis.append(("learning_rate", lr))
+        kpis = list(outcome.kpis)
+        if self._step_lr is not None and all(n != "learning_rate" for n, _ in kpis):
+            kpis.append(("learning_rate", self._step_lr))
         # The kind may have been decided during the step (dynamic recording).
-        self._kpi_rows.extend((n, rec.step, rec.kind, v) for n, v in rec._kpis)
-        if rec.recording or time.monotonic() - self._kpi_sent > KPI_FLUSH_SECONDS:
+        self._kpi_rows.extend((n, outcome.step, outcome.kind, v) for n, v in kpis)
+        if outcome.recorded or time.monotonic() - self._kpi_sent > KPI_FLUSH_SECONDS:
             self._send_kpis()
-        findings = self._check_health(rec.step)
+        findings = self._check_health(outcome.step)
         quantities = []
-        if rec._instrumented:
+        if outcome.instrumented:
             quantities = self._guard(self.instruments.finish) or []
             if quantities is _FAILED:
                 quantities = []
             for q in quantities:
                 q.layer = self._layer_prefix + q.layer if q.layer else q.layer
-            self._guard(self._send_warnings, rec.step)
+            self._guard(self._send_warnings, outcome.step)
         submitted = False
-        if rec.recording and rec._keep():
-            payload = self._guard(rec._payload)
+        if outcome.recorded and outcome.keep():
+            payload = self._guard(outcome.payload)
             if payload is not _FAILED:
                 payload.quantities = quantities
                 self.writer.submit_step(payload)
@@ -357,40 +389,17 @@ class Scope:
         found = self.instruments.take_warnings(step)
         self.writer.submit_warnings(found)  # first: a warnings filter "error" raises below
         for w in found:
-            # stacklevel 5: here, _guard, _exit, StepRecorder.__exit__, the user's `with`
-            warnings.warn(f"deepscope: {w.text()}", DeepscopeWarning, stacklevel=5)
+            # stacklevel 6: here, _guard, _store, _end, StepRecorder.__exit__ (or end_step),
+            # the user's `with` (or end_step call)
+            warnings.warn(f"deepscope: {w.text()}", DeepscopeWarning, stacklevel=6)
 
     def _activation_hook(self, path: str, is_root: bool) -> Callable:
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
             rec = self._current
             # hooks_paused: an instrument re-running a module's forward is not the user's
             if rec is not None and rec.recording and not hooks_paused():
-                self._guard(self._record_output, rec, path, is_root, output, module, inputs)
+                self._guard(rec._record_output, path, is_root, output, module, inputs)
         return hook
-
-    def _record_output(self, rec: StepRecorder, path: str, is_root: bool, output: Any,
-                       module: nn.Module, inputs: Any) -> None:
-        role = "output" if is_root else "activation"
-        frozen = tuple(id(p) for p in module.parameters(recurse=False) if not p.requires_grad)
-        if rec._after_loss:  # the next micro-batch's forward (gradient accumulation)
-            rec._next_micro_batch()
-        for suffix, t in named_leaves(output):
-            if reason := unrecordable(t):  # e.g. a sparse output: the other outputs go on
-                self._warn_once(f"activation {path + suffix}: {reason}; it is not recorded")
-                continue
-            base = path + suffix
-            count = rec._activation_counts.get((base, rec._iteration), 0)
-            rec._activation_counts[(base, rec._iteration)] = count + 1
-            name = base if count == 0 else f"{base}#{count + 1}"
-            if (name, rec._iteration) in rec._seen:
-                continue  # the user registered this name explicitly
-            rec.tensor(name, t, role=role, node=path, role_in_node=suffix.lstrip(".") or
-                       "output")
-            no_grad = t.grad_fn is None and not t.requires_grad
-            if no_grad or frozen:  # edges autograd does not have
-                regions = tuple(memory_region(x) for _, x in named_leaves(inputs)
-                                ) if no_grad else ()
-                rec._module_calls[(name, rec._iteration)] = ModuleCall(regions, frozen)
 
     # --- failures inside recording never stop training -------------------------------------
     def _warn_once(self, message: str) -> None:

@@ -13,11 +13,11 @@ import math
 import numpy as np
 import torch
 
+from ..store.schema import SAMPLE_MAX_VALUES as DEFAULT_MAX_VALUES
 from ..store.schema import STAT_COLUMNS
 
 DEFAULT_MAX_NEURONS = 4096   # per-neuron views keep the first this-many neurons
 DEFAULT_MAX_ITEMS = 4096     # per-sample statistics keep the first this-many batch items
-DEFAULT_MAX_VALUES = 65536   # full values of one stored sample are cut to this many elements
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 

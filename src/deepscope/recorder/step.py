@@ -12,13 +12,22 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..hookstate import hooks_paused
+from ..naming import named_leaves
+from ..records import StepPayload, TensorInfo
 from ..store import limits
-from ..store.writer import StepPayload, TensorInfo
-from .graph import ModuleCall, Named, build_graphs, graph_hash, saved_attachments
+from .context import StepOutcome
+from .graph import (
+    ModuleCall,
+    Named,
+    build_graphs,
+    graph_hash,
+    memory_region,
+    saved_attachments,
+)
 from .summary import Capture, summarise_captures
 
 if TYPE_CHECKING:
-    from .scope import Scope
+    from .context import StepContext
 
 ROLES = ("input", "target", "activation", "output", "loss", "parameter")
 _BATCHED_ROLES = ("input", "target", "activation", "output", "loss")
@@ -90,12 +99,14 @@ def _check_batch_dim(name: str, tensor: torch.Tensor, batch_dim: Any) -> int | N
 class StepRecorder:
     """Records one step. Methods are cheap no-ops when the step is not recorded.
 
-    Not created directly: use `Scope.step`.
+    Not created directly: use `Scope.step` (or `Scope.begin_step`). `rec.scope` is the
+    Scope that opened it.
     """
 
-    def __init__(self, scope: Scope, step: int, kind: str, record: bool, tentative: bool,
-                 instrumented: bool) -> None:
-        self.scope = scope
+    def __init__(self, context: StepContext, step: int, kind: str, record: bool,
+                 tentative: bool, instrumented: bool) -> None:
+        self._ctx = context
+        self.scope = context.scope
         self.step = step
         self.kind = kind
         self.recording = record or tentative
@@ -127,12 +138,18 @@ class StepRecorder:
 
     def __enter__(self) -> StepRecorder:
         self._open = True
-        self.scope._enter(self)
+        self._ctx.begin(self)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._ctx.end(self, exc_type is not None)
+
+    def _finish(self, failed: bool) -> StepOutcome:
+        """End the step (its hooks removed, its methods closed) and say what to store."""
         self._open = False
-        self.scope._exit(self, exc_type is not None)
+        self._remove_hooks()
+        return StepOutcome(self.step, self.kind, failed, self._instrumented, self._kpis,
+                           self.recording, self._keep, self._payload)
 
     def _check_open(self, call: str) -> None:
         if not self._open:
@@ -177,7 +194,7 @@ class StepRecorder:
         if batch_dim == AUTO:
             batch_dim = 0 if (role in _BATCHED_ROLES and tensor.dim() >= 1) else None
         self._seen.add(key)
-        self.scope._guard(self._add, name, tensor, role, node or name, role_in_node or name,
+        self._ctx.guard(self._add, name, tensor, role, node or name, role_in_node or name,
                           batch_dim)
 
     def loss(self, loss: torch.Tensor, per_sample: torch.Tensor | None = None,
@@ -229,12 +246,12 @@ class StepRecorder:
         if self.recording:
             # Look now, before backward frees what autograd saved: inputs and targets are
             # found through saved tensors only.
-            self.scope._guard(self._attach_saved)
-        if self.scope.monitor is not None:
-            self.scope._guard(self.scope.monitor.loss, loss, name)
+            self._ctx.guard(self._attach_saved)
+        if self._ctx.monitor is not None:
+            self._ctx.guard(self._ctx.monitor.loss, loss, name)
         if self._instrumented:
             # Bad input must reach the user; internal failures are handled inside Instruments.
-            self.scope.instruments.loss(loss, per_sample)
+            self._ctx.instruments.loss(loss, per_sample)
         self._after_loss = True
 
     def kpi(self, name: str, value: float | torch.Tensor) -> None:
@@ -276,7 +293,7 @@ class StepRecorder:
         self._check_open("gradients")
         _check_name(group, "gradient group")
         if self.recording:
-            self.scope._guard(self._snapshot_grads, f"grad:{group}")
+            self._ctx.guard(self._snapshot_grads, f"grad:{group}")
 
     def keep(self) -> None:
         """Keep this step although the schedule did not choose it (dynamic recording)."""
@@ -298,6 +315,31 @@ class StepRecorder:
         self._iteration += 1
         self._iterations_used = True
 
+    def _record_output(self, path: str, is_root: bool, output: Any, module: torch.nn.Module,
+                       inputs: Any) -> None:
+        """A watched module's output (Scope.watch(activations=True)), by module path."""
+        role = "output" if is_root else "activation"
+        frozen = tuple(id(p) for p in module.parameters(recurse=False) if not p.requires_grad)
+        if self._after_loss:  # the next micro-batch's forward (gradient accumulation)
+            self._next_micro_batch()
+        for suffix, t in named_leaves(output):
+            if reason := unrecordable(t):  # e.g. a sparse output: the other outputs go on
+                self._ctx.warn_once(f"activation {path + suffix}: {reason}; it is not recorded")
+                continue
+            base = path + suffix
+            count = self._activation_counts.get((base, self._iteration), 0)
+            self._activation_counts[(base, self._iteration)] = count + 1
+            name = base if count == 0 else f"{base}#{count + 1}"
+            if (name, self._iteration) in self._seen:
+                continue  # the user registered this name explicitly
+            self.tensor(name, t, role=role, node=path,
+                        role_in_node=suffix.lstrip(".") or "output")
+            no_grad = t.grad_fn is None and not t.requires_grad
+            if no_grad or frozen:  # edges autograd does not have
+                regions = tuple(memory_region(x) for _, x in named_leaves(inputs)
+                                ) if no_grad else ()
+                self._module_calls[(name, self._iteration)] = ModuleCall(regions, frozen)
+
     def _add(self, name: str, tensor: torch.Tensor, role: str, node: str, role_in_node: str,
              batch_dim: int | None) -> None:
         it = self._iteration
@@ -313,7 +355,7 @@ class StepRecorder:
     def _grad_hook(self, name: str, iteration: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if not hooks_paused():
-                self.scope._guard(self._on_grad, name, iteration, grad)
+                self._ctx.guard(self._on_grad, name, iteration, grad)
         return hook
 
     def _on_grad(self, name: str, iteration: int, grad: torch.Tensor) -> None:
@@ -332,18 +374,18 @@ class StepRecorder:
         key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device,
                tensor._version, direction, batch_dim)
         if key not in self._copies:  # holding `tensor` keeps its memory ours during the step
-            self._copies[key] = (tensor, self.scope.buffers.copy(tensor))
+            self._copies[key] = (tensor, self._ctx.buffers.copy(tensor))
         copy = self._copies[key][1]
         self._captures.append(Capture(name, direction, iteration, copy, batch_dim,
                                       self._infos[name].role == "parameter"))
 
     def _start(self) -> None:
         """Called on entry of a recorded step: parameter values and gradient hooks."""
-        for name, p in self.scope._params.items():
+        for name, p in self._ctx.params.items():
             if reason := unrecordable(p):
-                self.scope._warn_once(f"parameter {name}: {reason}; it is not recorded")
+                self._ctx.warn_once(f"parameter {name}: {reason}; it is not recorded")
                 continue
-            node, role_in_node = self.scope._param_nodes[name]
+            node, role_in_node = self._ctx.param_nodes[name]
             self._infos[name] = TensorInfo(name, "parameter", node, role_in_node,
                                            list(p.shape), str(p.dtype).replace("torch.", ""),
                                            None)
@@ -357,22 +399,22 @@ class StepRecorder:
 
     def _attach_saved(self) -> None:
         if self._attachments is None:
-            cached = self._graph_key() in self.scope._graph_cache
+            cached = self._graph_key() in self._ctx.graph_cache
             self._attachments = {} if cached else saved_attachments(self._named)
 
     def _graph(self) -> list[tuple[int, str, str]]:
         """[(iteration, hash, JSON body)] of this step, from the cache when the structure
         (kind, names, shapes, manual edges) was seen before."""
         key = self._graph_key()
-        cached = self.scope._graph_cache.get(key)
+        cached = self._ctx.graph_cache.get(key)
         if cached is None:
             self._attach_saved()  # no backward ran: saved tensors are still there
-            param_nodes = {n: v[0] for n, v in self.scope._param_nodes.items()}
-            bodies = build_graphs(self._named, self.scope._params, param_nodes, self._manual,
+            param_nodes = {n: v[0] for n, v in self._ctx.param_nodes.items()}
+            bodies = build_graphs(self._named, self._ctx.params, param_nodes, self._manual,
                                   self._attachments or {}, self._module_calls)
             cached = [(it, graph_hash(body), json.dumps(body, separators=(",", ":")))
                       for it, body in sorted(bodies.items())]
-            self.scope._graph_cache[key] = cached
+            self._ctx.graph_cache[key] = cached
         return cached
 
     def _snapshot_grads(self, direction: str) -> None:
@@ -388,18 +430,18 @@ class StepRecorder:
         if self._decision is not None:
             return self._decision
         if self._tentative:
-            keep_if = self.scope.keep_if
+            keep_if = self._ctx.keep_if
             return bool(keep_if(self)) if keep_if is not None else False
         return True
 
     def _payload(self) -> StepPayload:
         self._snapshot_grads("grad")
         cached = self._graph()
-        scope = self.scope
+        ctx = self._ctx
         self._copies.clear()  # the captures hold the copies; let the user's tensors go
-        summarise = functools.partial(summarise_captures, self._captures, scope.max_samples,
-                                      scope.max_neurons, scope.singular_values,
-                                      scope.exact_views, scope.buffers.release)
+        summarise = functools.partial(summarise_captures, self._captures, ctx.max_samples,
+                                      ctx.max_neurons, ctx.singular_values,
+                                      ctx.exact_views, ctx.buffers.release)
         return StepPayload(
             step=self.step, kind=self.kind, wall_time=self._started,
             iterations=self._iteration + 1, tensors=list(self._infos.values()),

@@ -10,9 +10,9 @@ from typing import NamedTuple
 
 import torch
 
+from ..records import StepSummary
 from ..store import arrays
 from ..store.schema import STAT_COLUMNS
-from ..store.writer import StepSummary
 from .fast import fast_batched, fast_eligible, fast_parameters
 from .stats import array_views, is_wide, small_summaries, tensor_stats, wide_summary
 

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ..errors import CorruptRunError
 from .limits import MAX_DIM
+
+if TYPE_CHECKING:
+    import torch
 
 # Only plain numeric dtypes can be stored or read back; anything else in a file is corrupt.
 DTYPES: dict[str, np.dtype] = {
@@ -32,7 +36,8 @@ def itemsize(dtype: str) -> int:
 
 def encode(array: np.ndarray | torch.Tensor) -> tuple[str, str, bytes]:
     """Return (dtype name, JSON shape, little-endian bytes) for a numeric array or host tensor."""
-    if isinstance(array, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor exists only once torch is loaded: readers
+    if torch is not None and isinstance(array, torch.Tensor):  # never load it
         t = array.detach().cpu()
         if t.dtype == torch.bfloat16:
             bits = t.contiguous().view(torch.int16).numpy().astype("<i2")

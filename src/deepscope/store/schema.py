@@ -7,6 +7,8 @@ Every table is plain SQL; arrays are raw little-endian bytes with `dtype` and `s
 SCHEMA_VERSION = 2
 APPLICATION_ID = 0x44534350  # "DSCP": marks the file as a deepscope store for `file(1)` and us
 
+SAMPLE_MAX_VALUES = 65536  # the stored full values of one batch item are cut to this many
+
 # Statistics stored for every tensor record, in column order. Units: those of the tensor.
 STAT_COLUMNS: tuple[str, ...] = (
     "numel",      # number of elements

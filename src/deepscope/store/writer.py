@@ -24,8 +24,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ import numpy as np
 import torch
 
 from ..errors import RecordingError
-from ..instruments.base import InstrumentWarning, QuantityValue
+from ..records import InstrumentWarning, QuantityValue, StepPayload, StepSummary, TensorInfo
 from . import arrays, codecs
 from .layout import check_run_id, lock_file, parse_run_id, sidecar_run_id
 from .schema import APPLICATION_ID, DDL, SCHEMA_VERSION, STAT_COLUMNS
@@ -54,59 +53,6 @@ _LOCKED = ("another program has held the write lock of {path} too long; {what} a
            "items are skipped until it lets go (training continues)")
 _live_writers: weakref.WeakSet = weakref.WeakSet()
 _inherited: list = []  # a forked child never closes its parent's connections (see _forked)
-
-
-@dataclass
-class TensorInfo:
-    """Static description of a named tensor (stored once per name)."""
-
-    name: str
-    role: str
-    node: str
-    role_in_node: str
-    shape: list[int]
-    dtype: str
-    batch_dim: int | None
-
-
-@dataclass
-class StepSummary:
-    """A recorded step's statistics and arrays, ready to insert.
-
-    keys: (name, direction, iteration) of each row of `stats`, a (R, len(STAT_COLUMNS)) float64
-    array (NaN = missing). parts: the step's arrays packed as little-endian bytes, one part per
-    dtype; arrays: (name, direction, view, iteration, dtype, JSON shape, part, offset, nbytes)
-    of each array, `offset` and `nbytes` in bytes within `parts[part]`. compress: per part,
-    whether compressing it is worth its time (dense float32 values shrink by ~25% at ~60 MB/s:
-    on large activations that would cost more than the whole summary); default all.
-    """
-
-    keys: list[tuple[str, str, int]]
-    stats: np.ndarray
-    arrays: list[tuple[str, str, str, int, str, str, int, int, int]]
-    parts: list[bytes]
-    compress: list[bool] | None = None
-
-
-@dataclass
-class StepPayload:
-    """Everything one recorded step writes, committed as one transaction.
-
-    summarise: called on the writer thread, returns the step's `StepSummary`: computing it
-    there keeps the work off the training thread.
-    """
-
-    step: int
-    kind: str
-    wall_time: float
-    iterations: int
-    tensors: list[TensorInfo] = field(default_factory=list)
-    summarise: Callable[[], StepSummary] | None = None
-    graphs: dict[str, str] = field(default_factory=dict)
-    iteration_graphs: list[tuple[int, str]] = field(default_factory=list)
-    quantities: list[QuantityValue] = field(default_factory=list)
-    anomalies: list[tuple[int, str, str, float | None, float | None, str]] = field(
-        default_factory=list)
 
 
 @dataclass

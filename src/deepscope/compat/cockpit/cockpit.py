@@ -55,10 +55,6 @@ LOG_KPIS = ("train_loss", "valid_loss", "test_loss", "train_accuracy", "valid_ac
             "test_accuracy", "learning_rate")
 
 
-class _Skipped(Exception):
-    """Ends a scope step whose number turned out wrong: nothing of it is stored."""
-
-
 class _AnyOf:
     """A deepscope schedule (step, kind) -> bool from Cockpit schedules global_step -> bool
     (several instances of one quantity: computed when any of them is due)."""
@@ -168,13 +164,13 @@ class Cockpit:
             try:
                 self._take_info(rec, info or {})
             except BaseException:
-                self._end_step(_Skipped)
+                self._end_step(discard=True)
                 raise
         try:
             yield
-        except BaseException as error:
+        except BaseException:
             with self._own_calls():
-                self._end_step(type(error))
+                self._end_step(discard=True)
             raise
         self._exited = True
         with self._own_calls():
@@ -233,7 +229,7 @@ class Cockpit:
         with self._own_calls():
             if self._rec is not None:
                 # a step whose backward is done has normally been stepped by the optimiser
-                self._end_step(None if self._exited else _Skipped)
+                self._end_step(discard=not self._exited)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -274,7 +270,7 @@ class Cockpit:
             return  # our own passes, evaluation, or another forward of the open step
         with self._own_calls():
             if self._rec is not None:  # no optimizer step was seen: the forward ends the step
-                self._end_step(None)
+                self._end_step()
             try:
                 self._open_step(self._next_step)
             except ValueError as error:  # never break the user's forward; cockpit(...) reports
@@ -285,29 +281,28 @@ class Cockpit:
         """Close the step once its update is taken (UpdateSize and α need θₜ₊₁)."""
         if self._rec is not None and self._exited and not self._busy:
             with self._own_calls():
-                self._end_step(None)
+                self._end_step()
 
     def _open_step(self, step: int) -> StepRecorder:
-        rec = self._ensure_scope().step(step)
-        rec.__enter__()
+        rec = self._ensure_scope().begin_step(step)
         self._rec, self._exited = rec, False
         return rec
 
-    def _end_step(self, failure: type[BaseException] | None) -> None:
-        """Close the open step: store its values, or (failure) drop them."""
+    def _end_step(self, discard: bool = False) -> None:
+        """Close the open step: store its values, or (discard: it failed) drop them."""
         rec, self._rec, self._exited = self._rec, None, False
         if rec is not None:
-            rec.__exit__(failure, None, None)
+            self._ensure_scope().end_step(discard=discard)
 
     def _begin(self, global_step: int) -> StepRecorder:
         """The scope step for `global_step`: the one opened by the forward, or a late one."""
         if self._rec is not None and self._exited:
-            self._end_step(None)  # the previous step saw no optimizer step nor forward
+            self._end_step()  # the previous step saw no optimizer step nor forward
         rec = self._rec
         if rec is not None and rec.step == global_step:
             return rec
         expected = rec.step if rec is not None else self._next_step
-        self._end_step(_Skipped)
+        self._end_step(discard=True)  # its number turned out wrong
         self._warn_once("late", f"deepscope: cockpit({global_step}, ...) came after a forward "
                                 f"pass recorded as step {expected}; quantities that need the "
                                 "forward pass (per-sample gradients) are missing for this step. "

@@ -70,8 +70,7 @@ class ComgraRecorder:
         if self._scope is None:
             return
         kind = _UNDECIDED if type_of_execution is None else type_of_execution
-        self._rec = self._scope.step(training_step, kind=kind)
-        self._rec.__enter__()
+        self._rec = self._scope.begin_step(training_step, kind=kind)
 
     def decide_recording_of_batch(self, type_of_execution: str, **_: Any) -> bool:
         """For start_batch(type_of_execution=None): set the type and decide now."""
@@ -126,8 +125,8 @@ class ComgraRecorder:
 
     def finish_batch(self, **_: Any) -> None:
         if self._rec is not None:
-            rec, self._rec = self._rec, None
-            rec.__exit__(None, None, None)
+            self._rec = None
+            self._scope.end_step()
 
     def finalize(self) -> None:
         self.finish_batch()

@@ -1,0 +1,257 @@
+"""The rank-one counter: histogram classes of outer-product parts (`RankOne`: Linear
+layers) from their factors, never materialised.
+
+The signs of products follow from the signs of their factors; and since rounding is
+monotone, the products of one factor with a sorted row are sorted: #{products >= e} is a
+cut found by binary search, for only the rows (i, o) whose largest product reaches e.
+GradHist1d needs just those counts per edge; GradHist2d forms exactly the outer products (a
+suffix of each sorted row) to bin them with their θ. The cost then grows with the rows and
+outer elements, not with B·D. Where that would cost more (most values outer) these return
+None and the part is materialised for the dense counter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..rules.base import RankOne
+from .bins import _OVER, _UNDER, EXTRAS, _Axis
+
+# rank-one parts are materialised when the per-edge searches (1-D) / the outer products
+# (2-D) would be more than this fraction of the number of products
+_CUT_WORK = 0.5
+_SCREEN_WORK = 0.25
+
+
+# A rounded product with |value| >= t has |exact product| >= t·(1 − 2⁻²³) (float32, and
+# float64 a fortiori); screening with this much less keeps every such product, through the
+# rounding of the screening products themselves and of the threshold to the data's dtype.
+_SCREEN_SLACK = 1 - 2.0**-18
+
+
+def _factors_usable(part: RankOne) -> bool:
+    """Whether sign counts of `part`'s products follow from its factors' signs and every
+    product is finite: float32 / float64 factors (half-precision products round in half),
+    all finite, no nonzero product small enough to round to zero, none large enough to
+    round to ±Inf. Also False for more than 2²⁴ samples (sign sums in float32)."""
+    left, right = part.left, part.right
+    if left.dtype not in (torch.float32, torch.float64) or part.samples > 2**24:
+        return False
+    if left.numel() == 0 or right.numel() == 0:
+        return True
+    a_left, a_right = left.abs(), right.abs()
+    big = left.new_tensor(math.inf)
+    largest_l, largest_r, smallest_l, smallest_r = torch.stack([
+        a_left.max(), a_right.max(),
+        torch.where(a_left > 0, a_left, big).min(), torch.where(a_right > 0, a_right, big).min(),
+    ]).tolist()
+    info = torch.finfo(left.dtype)
+    return (math.isfinite(largest_l) and math.isfinite(largest_r)  # no NaN, no ±Inf
+            and smallest_l * smallest_r >= info.tiny
+            and largest_l * largest_r <= info.max * _SCREEN_SLACK)
+
+
+@dataclass
+class _SortedRows:
+    """Each sample's `right` row sorted ascending, for counting the products fl(f·r) >= t
+    of a factor f with a row exactly: fl(|f|·r) grows with r, so the count is a cut in the
+    sorted row, found by binary search on the rounded products themselves; a negative
+    factor counts from the other end (fl(−a·r) = −fl(a·r)).
+
+    table: (b, 2**span) flat, each row ascending, padded with +Inf so that a search never
+    leaves its row.  order: (b, width) original column of each sorted position (only when
+    asked for).
+    """
+
+    table: Tensor
+    span: int
+    width: int
+    samples: int
+    order: Tensor | None
+
+    @classmethod
+    def build(cls, right: Tensor, with_order: bool) -> _SortedRows:
+        b, width = right.shape
+        if right.device.type == "cpu":  # numpy's sorts are several times faster on CPU
+            rows = right.numpy()
+            order_np = np.argsort(rows, axis=1) if with_order else None
+            ascending = torch.from_numpy(np.take_along_axis(rows, order_np, 1)
+                                         if order_np is not None else np.sort(rows, axis=1))
+            order = torch.from_numpy(order_np) if order_np is not None else None
+        else:
+            ascending, order = torch.sort(right, dim=1)
+            order = order if with_order else None
+        span = max(1, width).bit_length()  # 2**span > width
+        table = torch.full((b, 1 << span), math.inf, dtype=right.dtype, device=right.device)
+        table[:, :width] = ascending
+        return cls(table.reshape(-1), span, width, b, order)
+
+    def signs(self) -> tuple[Tensor, Tensor]:
+        """(#negative, #positive) values per sample (b,), from the sorted rows."""
+        ascending = self.table.view(self.samples, -1)
+        zero = ascending.new_zeros(self.samples, 1)
+        negative = torch.searchsorted(ascending, zero)[:, 0]
+        return negative, self.width - torch.searchsorted(ascending, zero, right=True)[:, 0]
+
+    def count(self, sample: Tensor, factor: Tensor, threshold: Tensor, flip: Tensor
+              ) -> tuple[Tensor, Tensor]:
+        """(#{r in row: fl(f'·r) >= threshold}, mirrored) per query, f' = −factor where
+        `flip`, else factor (factor nonzero, threshold > 0). Mirrored (f' < 0): the count
+        is a prefix of the ascending row, else a suffix."""
+        mirrored = (factor < 0) ^ flip
+        # with a = |f'|: f' > 0 counts the rest of #{fl(a·r) < t}; f' < 0 (fl(f'·r) =
+        # −fl(a·r)) counts #{fl(a·r) <= −t} = #{fl(a·r) < next float above −t}
+        bound = torch.where(mirrored, torch.nextafter(-threshold, threshold.new_tensor(math.inf)),
+                            threshold)
+        cursor = sample * (1 << self.span) - 1
+        start = cursor.clone()
+        a = factor.abs()
+        # binary lifting; index_select: several times faster than indexing with [] on CPU
+        for step in (1 << k for k in range(self.span - 1, -1, -1)):
+            candidate = cursor + step
+            cursor = torch.where(a * self.table.index_select(0, candidate) < bound,
+                                 candidate, cursor)
+        below = cursor - start
+        return torch.where(mirrored, below, self.width - below), mirrored
+
+
+def _rank_one_1d(part: RankOne, axis: _Axis) -> Tensor | None:
+    """GradHist1d class counts (1, bins + 5) of a `RankOne` part's products, float64 on
+    the device, from counts per edge instead of per product; None when not applicable
+    (see `_factors_usable`) or when classing the products one by one is cheaper.
+
+    For an edge e > 0, #{products >= e} is a sum over rows (i, o) of `_SortedRows.count`;
+    only rows with |left[i, o]|·max|right[i]| >= e can reach e. For e < 0, #{products < e}
+    = #{fl(−left·right) > |e|}; for e = 0 the sign counts. Bin k is then #{>= e_k} −
+    #{>= e_k+1}.
+    """
+    if not _factors_usable(part):
+        return None
+    left, right = part.left, part.right
+    if left.shape[1] > right.shape[1]:  # search the longer side: fewer rows
+        left, right = right, left
+    b, rows_per_sample = left.shape
+    width = right.shape[1]
+    device = left.device
+    total = b * rows_per_sample * width
+    query = axis.queries
+    n = axis.bins.count
+    if total == 0:
+        return torch.zeros(1, n + len(EXTRAS), dtype=torch.float64, device=device)
+    # the queries each row can reach: sorted thresholds <= |left|·max|right| (with slack);
+    # most rows reach none
+    reach = (left.abs() * right.abs().amax(1, keepdim=True)).reshape(-1)
+    limits = query.threshold * _SCREEN_SLACK
+    rows = (reach >= limits[0]).nonzero().squeeze(1)
+    per_row = torch.searchsorted(limits, reach[rows], right=True)
+    pairs = int(per_row.sum())
+    if pairs * (width.bit_length() + 4) > total * _CUT_WORK:  # classing each is cheaper
+        return None
+    taken = torch.repeat_interleave(torch.arange(rows.numel(), device=device), per_row,
+                                    output_size=pairs)
+    row = rows.index_select(0, taken)
+    entry = (torch.arange(pairs, device=device)
+             - (torch.cumsum(per_row, 0) - per_row).index_select(0, taken))
+    sorted_rows = _SortedRows.build(right, with_order=False)
+    found, _ = sorted_rows.count(row // rows_per_sample, left.reshape(-1).index_select(0, row),
+                                 query.threshold.index_select(0, entry),
+                                 query.flip.index_select(0, entry))
+    reached = torch.zeros(query.threshold.numel(), dtype=torch.float64, device=device)
+    reached.index_add_(0, entry, found.double())
+    # #{products >= e_k} for k = 0..n, then #{products > e_n}, from the reached counts
+    nr, pr = sorted_rows.signs()
+    pl, nl = (left > 0).sum(1), (left < 0).sum(1)
+    positive = float((pl * pr + nl * nr).sum())  # a product's sign: its factors' signs
+    negative = float((pl * nr + nl * pr).sum())
+    at_least = torch.zeros(n + 2, dtype=torch.float64, device=device)
+    at_least.index_add_(0, query.slot, reached)
+    at_least = torch.where(query.complement, total - at_least, at_least)
+    at_least[query.zero_slots] = total - negative  # e = 0: everything not negative
+    if query.last_is_zero:
+        at_least[n + 1] = positive  # #{products > 0}
+    counts = torch.zeros(1, n + len(EXTRAS), dtype=torch.float64, device=device)
+    counts[0, :n] = at_least[:n] - at_least[1 : n + 1]
+    counts[0, n - 1] = at_least[n - 1] - at_least[n + 1]  # the last bin is closed
+    counts[0, n + _UNDER] = total - at_least[0]
+    counts[0, n + _OVER] = at_least[n + 1]
+    return counts
+
+
+def _rank_one_2d(part: RankOne, axis: _Axis, groups: Tensor, n_groups: int) -> Tensor | None:
+    """GradHist2d class counts (n_groups, bins + 5) of a `RankOne` part's products, float64
+    on the device, without forming them; None when not applicable (see `_factors_usable`)
+    or when most products are outer (then classing all of them is cheaper).
+
+    Inner products are counted by sign, per element a from two matmuls of the factors'
+    sign matrices over the samples (a product of such factors has their signs' product).
+    The outer ones of a row (i, o), fl(left·right) >= high or <= low, are the last
+    `_SortedRows.count` entries of right[i] sorted or mirrored: exactly those are formed
+    and binned one by one with their θ group.
+    """
+    if not _factors_usable(part):
+        return None
+    left, right = part.left, part.right
+    b, width_o = left.shape
+    width_i = right.shape[1]
+    n_classes = axis.bins.count + len(EXTRAS)
+    device = left.device
+    counts = torch.zeros(n_groups * n_classes, dtype=torch.float64, device=device)
+    if left.numel() == 0 or right.numel() == 0:
+        return counts.view(n_groups, n_classes)
+    low, high = axis.zone
+    # queries (row, side) for the finite zone bounds: hi fl(left·r) >= high, lo
+    # fl(−left·r) >= −low; only rows whose largest product can reach the bound
+    reach = (left.abs() * right.abs().amax(1, keepdim=True)).reshape(-1)
+    rows, flips, thresholds = [], [], []
+    for bound, flipped in ((high, False), (-low, True)):
+        if math.isfinite(bound):
+            reaching = (reach >= bound * _SCREEN_SLACK).nonzero().squeeze(1)
+            rows.append(reaching)
+            flips.append(torch.full(reaching.shape, flipped, device=device))
+            thresholds.append(left.new_full(reaching.shape, bound))
+    row, flip, threshold = torch.cat(rows), torch.cat(flips), torch.cat(thresholds)
+    sorted_rows = _SortedRows.build(right, with_order=True)
+    order = sorted_rows.order
+    assert order is not None  # asked for
+    sample = row // width_o
+    found, mirrored = sorted_rows.count(sample, left.reshape(-1).index_select(0, row),
+                                        threshold, flip)
+    hits = int(found.sum())
+    if hits > b * width_o * width_i * _SCREEN_WORK:  # mostly outer: class them all
+        return None
+
+    sl, sr = left.sign(), right.sign()
+    agree, nonzero = sl.T @ sr, sl.abs().T @ sr.abs()  # Σᵢ of ±1 / 0: exact integers
+    s, a = (torch.bincount(groups, weights=t.reshape(-1).double(), minlength=n_groups)
+            for t in (agree, nonzero))
+    elements = torch.bincount(groups, minlength=n_groups).double()
+    sides = torch.stack([(a - s) / 2, b * elements - a, (a + s) / 2])  # −, 0, + per group
+
+    # the hits: the last `found` positions of each query's row, ascending or mirrored (−r
+    # reversed: the first `found` ascending); hit k of query q sits at
+    # width − found[q] + (k − first hit of q) = width + k − cumsum[q]
+    query = torch.repeat_interleave(torch.arange(found.numel(), device=device), found,
+                                    output_size=hits)
+    position = (torch.arange(hits, device=device)
+                - (torch.cumsum(found, 0) - width_i).index_select(0, query))
+    position = torch.where(mirrored.index_select(0, query), width_i - 1 - position, position)
+    i, flat_row = sample.index_select(0, query), row.index_select(0, query)
+    j = order.reshape(-1).index_select(0, i * width_i + position)
+    # rounded as materialised
+    values = (left.reshape(-1).index_select(0, flat_row)
+              * right.reshape(-1).index_select(0, i * width_i + j))
+    group = groups.index_select(0, (flat_row % width_o) * width_i + j)
+    counts += torch.bincount(group * n_classes + axis.classify(values),
+                             minlength=n_groups * n_classes)
+    # binned here, so not by sign: 0 negative, 2 positive (outer values are never zero)
+    side = (values > 0).long() * 2 * n_groups + group
+    sides -= torch.bincount(side, minlength=3 * n_groups).view(3, n_groups)
+    counts = counts.view(n_groups, n_classes)
+    for cls, part_count in zip(axis.sign_classes, sides):
+        counts[:, cls] += part_count
+    return counts

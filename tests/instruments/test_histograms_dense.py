@@ -1,0 +1,94 @@
+"""The dense counter: exact GradHist1d / GradHist2d counts of materialised gradients
+against numpy.histogram / histogram2d."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from deepscope.instruments.histograms import (
+    Bins,
+    histogram_1d,
+    histogram_2d,
+)
+from deepscope.instruments.histograms import dense as D
+
+from . import reference as R
+from .histogram_cases import (
+    BIN_CASES,
+    DEVICES,
+    EXTRA_KEYS,
+    assert_matches_numpy,
+    random_ranges,
+    tricky,
+)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nonfinite", [True, False])  # NaN takes another code path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bins", BIN_CASES, ids=str)
+def test_1d_counts_equal_numpy(bins: Bins, dtype: torch.dtype, nonfinite: bool, device: str):
+    g = tricky(dtype, bins, nonfinite).to(device)
+    assert_matches_numpy(histogram_1d(g, bins), g.cpu().numpy(), bins)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_is_binned_as_float32(dtype: torch.dtype) -> None:
+    bins = Bins(20, -0.05, 0.05)
+    g = tricky(dtype, bins)
+    assert_matches_numpy(histogram_1d(g, bins), g.float().numpy(), bins)
+
+
+@pytest.mark.parametrize("outliers", [0.0, 1e-4, 0.02, 0.5])
+def test_chunking_and_block_screening_do_not_change_counts(monkeypatch, outliers) -> None:
+    """Small chunks and blocks exercise every path: no outer values, sparse outer values
+    found block by block, dense ones found by one scan, and a ragged tail."""
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(9, 1001, generator=gen) * 0.005
+    mask = torch.rand(g.shape, generator=gen) < outliers
+    g[mask] = torch.randn(int(mask.sum()), generator=gen)
+    bins = Bins(50, -1.0, 1.0)
+    edges = np.linspace(-1.0, 1.0, 51, dtype=np.float32)
+    g[2, 500], g[5, 17], g[8, 1000] = float(edges[24]), float(edges[26]), float(edges[25])
+    monkeypatch.setattr(D, "_BLOCK", 16)
+    for chunk in (1, 1000, 3000, 1 << 20):
+        monkeypatch.setitem(D._CHUNK_ELEMENTS, "cpu", chunk)
+        assert_matches_numpy(histogram_1d(g, bins), g.numpy(), bins)
+
+
+@random_ranges([1e-4, 1e-2, 1.0, 10.0])
+def test_1d_random_data_and_ranges(seed, bins, lo, width, scale) -> None:
+    spec = Bins(bins, lo, lo + width)
+    g = torch.randn(5, 37, generator=torch.Generator().manual_seed(seed)) * scale
+    assert_matches_numpy(histogram_1d(g, spec), g.numpy(), spec)
+
+
+def test_2d_counts_equal_numpy_and_every_pair_is_counted_once() -> None:
+    gen = torch.Generator().manual_seed(5)
+    theta = torch.rand(40, 30, generator=gen, dtype=torch.float64) * 2.6 - 1.3
+    theta[0, :3] = torch.tensor([math.nan, math.inf, -1.0])
+    px, gy = Bins(40, -1.0, 1.0), Bins(50, -2.0, 2.0)
+    g = tricky(torch.float64, gy)
+    hist = histogram_2d(theta, g, px, gy)
+    G, T = g.reshape(12, -1).numpy(), theta.reshape(-1).numpy()
+    np.testing.assert_array_equal(hist.counts, R.histogram_2d(T, G, (40, 50), ((-1, 1), (-2, 2))))
+    assert hist.counts.shape == (40, 50) and hist.counts.dtype == np.int64
+    pairs_theta = np.broadcast_to(T, G.shape)
+    in_range = np.isfinite(pairs_theta) & (pairs_theta >= -1) & (pairs_theta <= 1)
+    assert hist.extras["param_nonfinite"] == int((~np.isfinite(pairs_theta)).sum()) == 24
+    finite = np.isfinite(pairs_theta)
+    assert hist.extras["param_underflow"] == int((finite & (pairs_theta < -1)).sum())
+    assert hist.extras["param_overflow"] == int((finite & (pairs_theta > 1)).sum())
+    _, extras = R.histogram_1d(G[in_range], 50, -2.0, 2.0)
+    assert {k: hist.extras[k] for k in EXTRA_KEYS} == extras
+    assert hist.counts.sum() + sum(hist.extras.values()) == G.size
+    assert hist.meta()["edges"] == [[-1.0, 1.0, 40], [-2.0, 2.0, 50]]
+
+
+def test_2d_rejects_mismatched_shapes() -> None:
+    with pytest.raises(ValueError, match=r"grads must have shape \(B, \*\(3,\)\)"):
+        histogram_2d(torch.zeros(3), torch.zeros(2, 4), Bins(4, -1, 1), Bins(4, -1, 1))
