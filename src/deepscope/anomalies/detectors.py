@@ -83,6 +83,12 @@ class Detector:
     def begin(self, ctx: StepContext) -> None:
         """Before the forward of a step this detector runs on (e.g. snapshot parameters)."""
 
+    def observes(self, module: nn.Module) -> bool:
+        """Whether `observe` wants the outputs of `module` (default: every module); asked
+        once per module. Modules no detector observes are not hooked on detector steps (a
+        hook costs ~10-20 µs)."""
+        return True
+
     def observe(self, path: str, module: nn.Module, output: Tensor) -> None:
         """One floating-point output of `module` (named `path`) in that step's forward."""
 
@@ -225,6 +231,9 @@ class DeadUnits(Detector):
     def begin(self, ctx: StepContext) -> None:
         self._acc = {}
 
+    def observes(self, module: nn.Module) -> bool:
+        return isinstance(module, self.types)
+
     def observe(self, path: str, module: nn.Module, output: Tensor) -> None:
         if not isinstance(module, self.types) or output.dim() == 0 or output.numel() == 0:
             return
@@ -300,8 +309,9 @@ class UpdateRatio(Detector):
         if not names:
             return {}
         after = [ctx.params[n].detach() for n in names]
-        delta_norms = torch._foreach_norm(torch._foreach_sub(after, before))
         weight_norms = torch._foreach_norm(before)
+        torch._foreach_sub_(before, after)  # in place: the snapshot is not needed after this
+        delta_norms = torch._foreach_norm(before)
         return {n: torch.stack([d, w]) for n, d, w in zip(names, delta_norms, weight_norms)}
 
     def judge(self, ctx: StepContext, values: dict[str, list[float]]) -> list[Finding]:

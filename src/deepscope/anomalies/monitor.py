@@ -157,6 +157,7 @@ class HealthMonitor:
         self._untraced = sorted(set(range(len(self.model.modules))) - set(traced))
         self._handles = self._hook(traced, True)
         self._step_handles: list[Any] = []
+        self._observed_cache: dict[tuple[int, ...], list[int]] = {}
 
     # --- the interface the recorder drives ----------------------------------------------------
     def start(self, step: int, kind: str) -> None:
@@ -192,7 +193,7 @@ class HealthMonitor:
         for d in due:
             self._guard(rec, d.begin, rec.ctx)
         if rec.observers:
-            self._step_handles = self._hook(self._untraced, False)
+            self._step_handles = self._hook(self._observed(rec.observers), False)
         self._step = rec
 
     @property
@@ -283,6 +284,16 @@ class HealthMonitor:
     def _hook(self, indices: list[int], traced: bool) -> list[Any]:
         return [self.model.modules[i].register_forward_hook(
             partial(self._on_forward, i, traced)) for i in indices]
+
+    def _observed(self, observers: list[Detector]) -> list[int]:
+        """The untraced modules whose outputs one of `observers` wants (cached per set)."""
+        key = tuple(map(id, observers))
+        found = self._observed_cache.get(key)
+        if found is None:
+            found = self._observed_cache[key] = [
+                i for i in self._untraced
+                if any(d.observes(self.model.modules[i]) for d in observers)]
+        return found
 
     def _unhook_step(self) -> None:
         for h in self._step_handles:
