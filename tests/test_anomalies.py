@@ -717,3 +717,28 @@ def test_default_scope_check_names_an_unchecked_nan_gradient_step(tmp_path):
     assert nonfinite[["step", "tensor"]].values.tolist() == [[13, "0.weight"]]
     # found during step 14, which had started unrecorded: the steps after it are recorded
     assert set(deepscope.open_run(tmp_path / "r").steps()) == {15}
+
+
+def test_detector_steps_hook_only_the_modules_a_detector_observes():
+    class LinearOnly(Detector):
+        name = "linear_only"
+        observes_outputs = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def observes(self, module: nn.Module) -> bool:
+            return isinstance(module, nn.Linear)
+
+        def observe(self, path: str, module: nn.Module, output: torch.Tensor) -> None:
+            self.seen.append(path)
+
+    probe = LinearOnly()
+    model = mlp(nn.Identity())
+    monitor = HealthMonitor(model, detectors=[probe], trace=False)
+    monitor.start(0, "train")
+    assert len(monitor._step_handles) == 3  # the three Linear layers, nothing else hooked
+    model(torch.randn(4, 6)).sum().backward()
+    monitor.finish(0)
+    assert probe.seen == ["0", "3", "5"]
