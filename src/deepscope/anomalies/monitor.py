@@ -171,6 +171,7 @@ class HealthMonitor:
         if self._step is not None:  # the previous step failed before finish()
             self._abort(self._step)
             self._unhook_step()
+            self._unchecked = None  # it may have updated the parameters: no evidence left
         slots = self._slot_sets[self._parity]
         if self._defer:  # step t's slots must survive until finish(t + 1) reads them
             self._parity ^= 1
