@@ -454,6 +454,41 @@ def test_dead_and_saturated_relu_units_are_flagged_and_healthy_ones_are_not():
     assert {(f.detector, f.value) for f in found} == {("saturation", 1.0)}
 
 
+def test_dead_unit_fractions_match_a_brute_force_count_over_two_calls():
+    """A ReLU called twice in a step: zeros are counted over both calls, a unit is dead only
+    if it is zero for every item of both; NaN is not zero."""
+    torch.manual_seed(0)
+    relu = nn.ReLU()
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.relu = nn.Linear(6, 12), relu
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            h[0, 7] = NAN  # one NaN output of a live unit: not a zero
+            return self.relu(h) + self.relu(self.lin(-x))
+
+    model = Twice()
+    with torch.no_grad():
+        model.lin.bias[:5] = -100.0  # units 0-4 dead in both calls
+    outs = []
+    relu.register_forward_hook(lambda m, i, o: outs.append(o.detach().clone()))
+    monitor = HealthMonitor(model, detectors=[DeadUnits(saturation=0.01, dead=0.01)],
+                            trace=False)
+    monitor.start(0, "train")
+    with torch.no_grad():
+        model(torch.randn(16, 6))
+    found = {f.detector: f.value for f in monitor.finish(0)[0]}
+    both = torch.cat(outs)
+    zero_frac = (both == 0).sum().item() / both.numel()
+    dead_frac = (both == 0).all(0).double().mean().item()
+    assert found == {"saturation": pytest.approx(zero_frac, abs=1e-12),
+                     "dead_units": pytest.approx(dead_frac, abs=1e-12)}
+    assert dead_frac == pytest.approx(5 / 12) and 0 < zero_frac < 1
+
+
 def test_dead_units_also_work_without_the_trace():
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
     with torch.no_grad():
