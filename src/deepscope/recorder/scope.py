@@ -60,12 +60,13 @@ class Scope:
     anomalies: the health check of the watched model. "check" (default): a non-finite loss
         on every step, gradients every 10th step (with a loss on the CPU; else every step),
         the first non-finite gradient named — also when it was on an unchecked step whose
-        update made the next loss non-finite — plus the gradient / loss / activation
-        detectors every 10 steps; "trace": also hooks every module to name
-        the *first* tensor, forward or backward, where a non-finite value appears (costs
-        more: ~20% on a small MLP); False/None: off. After a non-finite step the next
-        `record_next` steps are recorded in full. `on_anomaly(finding)` is called for every
-        finding; raise `deepscope.anomalies.StopTraining` from it to stop training.
+        update made the next loss non-finite (`scope.monitor.grad_every = 1` checks every
+        step) — plus the gradient / loss / activation detectors every 10 steps; "trace":
+        also hooks every module to name the *first* tensor, forward or backward, where a
+        non-finite value appears (costs more: ~20% on a small MLP); False/None: off. After
+        a non-finite step the next `record_next` steps are recorded in full.
+        `on_anomaly(finding)` is called for every finding; raise
+        `deepscope.anomalies.StopTraining` from it to stop training.
     """
 
     def __init__(self, path: str | Path = "runs", run: str = "run", *,
