@@ -29,7 +29,8 @@ What it costs, every step (no statistic is synchronised on its own):
   gradient it still holds (the usual loop zeroes gradients after the forward), or else the
   parameter, saying the gradient is gone. Otherwise step t + 1 is checked in full.
 Measured on a 784-256-256-10 MLP, batch 128, one CPU thread (a shared 2-core VM, median of
-interleaved steps): about +8% per step with `trace=False`, +22% with the trace; the hooks
+interleaved steps): about +4% per step with `trace=False, grad_every=10` (the recorder's
+default; `benchmarks/unrecorded_steps.py`), +7% with grad_every=1, +22% with the trace; the hooks
 dominate (a hook or torch call costs ~10-20 µs right after a step's kernels there). The
 relative cost falls as layers grow, since it is per module, not per FLOP.
 
