@@ -454,6 +454,41 @@ def test_dead_and_saturated_relu_units_are_flagged_and_healthy_ones_are_not():
     assert {(f.detector, f.value) for f in found} == {("saturation", 1.0)}
 
 
+def test_dead_unit_fractions_match_a_brute_force_count_over_two_calls():
+    """A ReLU called twice in a step: zeros are counted over both calls, a unit is dead only
+    if it is zero for every item of both; NaN is not zero."""
+    torch.manual_seed(0)
+    relu = nn.ReLU()
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.relu = nn.Linear(6, 12), relu
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            h[0, 7] = NAN  # one NaN output of a live unit: not a zero
+            return self.relu(h) + self.relu(self.lin(-x))
+
+    model = Twice()
+    with torch.no_grad():
+        model.lin.bias[:5] = -100.0  # units 0-4 dead in both calls
+    outs = []
+    relu.register_forward_hook(lambda m, i, o: outs.append(o.detach().clone()))
+    monitor = HealthMonitor(model, detectors=[DeadUnits(saturation=0.01, dead=0.01)],
+                            trace=False)
+    monitor.start(0, "train")
+    with torch.no_grad():
+        model(torch.randn(16, 6))
+    found = {f.detector: f.value for f in monitor.finish(0)[0]}
+    both = torch.cat(outs)
+    zero_frac = (both == 0).sum().item() / both.numel()
+    dead_frac = (both == 0).all(0).double().mean().item()
+    assert found == {"saturation": pytest.approx(zero_frac, abs=1e-12),
+                     "dead_units": pytest.approx(dead_frac, abs=1e-12)}
+    assert dead_frac == pytest.approx(5 / 12) and 0 < zero_frac < 1
+
+
 def test_dead_units_also_work_without_the_trace():
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
     with torch.no_grad():
@@ -623,3 +658,136 @@ def test_end_to_end_scope_records_the_origin_and_the_steps_after_it(tmp_path):
     assert (int(first["step"]), first["tensor"]) == (6, "net.2")
     assert {7, 8, 9} <= set(run.steps())              # recorded in full after the finding
     assert "FIRST NON-FINITE VALUE: step 6, net.2" in report(tmp_path / "e2e")
+
+
+# --- gradients on a schedule (grad_every): the first non-finite step is still found ---------------
+def train_zeroing_first(model: nn.Module, monitor: HealthMonitor, steps: int, *, before
+                        ) -> dict[int, tuple[list[Finding], int]]:
+    """Like `train`, but zero_grad at the top of the step: no gradient survives into the next."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    results = {}
+    for step in range(steps):
+        before(step)
+        opt.zero_grad()
+        monitor.start(step, "train")
+        loss = F.cross_entropy(model(torch.randn(16, 6)), torch.randint(0, 3, (16,)))
+        monitor.loss(loss)
+        loss.backward()
+        opt.step()
+        results[step] = monitor.finish(step)
+    return results
+
+
+@pytest.mark.parametrize("grad_every", [1, 10])
+def test_nan_gradient_on_an_unchecked_step_is_named_at_its_own_step(grad_every):
+    """Step 3's gradients are not checked (grad_every=10): its NaN update makes the loss of
+    step 4 non-finite, and the finding still names step 3 and the same gradient as a check of
+    every step does."""
+    torch.manual_seed(0)
+    fault = NaNGradAt()
+    model = mlp(fault)
+    seen = []
+    monitor = HealthMonitor(model, detectors=[], trace=False, grad_every=grad_every,
+                            on_anomaly=seen.append)
+    results = train(model, monitor, 8, before=switch_at(fault, 3))
+    found = only(results)
+    assert [(f.step, f.tensor, f.detector) for f in found] == [(3, "0.weight", "nonfinite")]
+    assert seen == found
+    assert "first non-finite gradient of step 3" in found[0].message
+    if grad_every == 10:
+        assert "found at step 4" in found[0].message
+        assert results[4][1] == monitor.record_next  # handed over with step 4, acute
+
+
+def test_nan_update_on_an_unchecked_step_names_the_parameter_when_its_gradient_is_gone():
+    torch.manual_seed(0)
+    fault = NaNGradAt()
+    model = mlp(fault)
+    monitor = HealthMonitor(model, detectors=[], trace=False, grad_every=10)
+    found = only(train_zeroing_first(model, monitor, 8, before=switch_at(fault, 3)))
+    assert [(f.step, f.tensor) for f in found] == [(3, "0.weight")]
+    assert "cannot be named" in found[0].message and "step 4" in found[0].message
+
+
+def test_forward_origin_on_an_unchecked_step_is_found_at_that_step():
+    """Finite parameters before a non-finite loss: the step's own forward is the origin, as
+    with a check of every step."""
+    def loss_of(step, out, y):
+        return F.cross_entropy(out, y) * (INF if step == 4 else 1.0)
+
+    by_every = {}
+    for grad_every in (1, 10):
+        torch.manual_seed(0)
+        model = mlp(nn.Identity())
+        monitor = HealthMonitor(model, detectors=[], trace=False, grad_every=grad_every)
+        found = only(train(model, monitor, 7, loss_of=loss_of))
+        by_every[grad_every] = [(f.step, f.tensor) for f in found]
+    assert by_every[10] == by_every[1] == [(4, "loss")]
+
+
+def test_gradient_only_nan_on_an_unchecked_step_is_missed_when_never_applied():
+    """Documented limit of grad_every: a NaN gradient that no update applies (the loss stays
+    finite) is seen only on a checked step — here step 10, not step 3."""
+    fault = NaNGradAt()
+    model = mlp(fault)
+    monitor = HealthMonitor(model, detectors=[], trace=False, grad_every=10)
+    missed = only(train(model, monitor, 12, before=switch_at(fault, 3), optimise=False))
+    assert missed == []
+    monitor = HealthMonitor(model, detectors=[], trace=False, grad_every=10)
+    found = only(train(model, monitor, 12, before=switch_at(fault, 10), optimise=False))
+    assert [(f.step, f.tensor) for f in found] == [(10, "0.weight")]
+
+
+def test_grad_every_is_validated():
+    with pytest.raises(ValueError, match="grad_every must be an integer >= 1"):
+        HealthMonitor(mlp(nn.Identity()), grad_every=0)
+
+
+def test_default_scope_check_names_an_unchecked_nan_gradient_step(tmp_path):
+    """Through the recorder's default check (gradients every 10th step): a NaN gradient at
+    step 13 is stored under step 13, with the gradient it came from."""
+    torch.manual_seed(0)
+    fault = NaNGradAt()
+    model = mlp(fault)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with deepscope.Scope(tmp_path, "r", schedule=deepscope.never) as scope:
+        scope.watch(model)
+        for step in range(16):
+            fault.fire = step == 13
+            with scope.step(step) as rec:
+                losses = F.cross_entropy(model(torch.randn(16, 6)), torch.randint(0, 3, (16,)),
+                                         reduction="none")
+                rec.loss(losses.mean(), per_sample=losses)
+                opt.zero_grad()
+                losses.mean().backward()
+                opt.step()
+    rows = deepscope.open_run(tmp_path / "r").anomalies()
+    nonfinite = rows[rows["detector"] == "nonfinite"]
+    assert nonfinite[["step", "tensor"]].values.tolist() == [[13, "0.weight"]]
+    # found during step 14, which had started unrecorded: the steps after it are recorded
+    assert set(deepscope.open_run(tmp_path / "r").steps()) == {15}
+
+
+def test_detector_steps_hook_only_the_modules_a_detector_observes():
+    class LinearOnly(Detector):
+        name = "linear_only"
+        observes_outputs = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def observes(self, module: nn.Module) -> bool:
+            return isinstance(module, nn.Linear)
+
+        def observe(self, path: str, module: nn.Module, output: torch.Tensor) -> None:
+            self.seen.append(path)
+
+    probe = LinearOnly()
+    model = mlp(nn.Identity())
+    monitor = HealthMonitor(model, detectors=[probe], trace=False)
+    monitor.start(0, "train")
+    assert len(monitor._step_handles) == 3  # the three Linear layers, nothing else hooked
+    model(torch.randn(4, 6)).sum().backward()
+    monitor.finish(0)
+    assert probe.seen == ["0", "3", "5"]

@@ -21,8 +21,16 @@ What it costs, every step (no statistic is synchronised on its own):
   loss, concatenated with the buffers: ONE host transfer for the whole step. On CUDA it is a
   non_blocking copy into pinned memory read one step later (`finish(t + 1)` returns step t's
   findings), so the GPU queue never drains.
+- with grad_every=n (the recorder's default check uses 10), on the steps in between:
+  the loss alone, read on the CPU where it costs no sync, and no torch op at all. When the
+  loss of step t + 1 is not finite and step t's gradients were not checked, the parameters
+  are checked at once (before step t + 1's backward and update): if they are non-finite
+  already, step t's update made them so, and step t is reported, naming the non-finite
+  gradient it still holds (the usual loop zeroes gradients after the forward), or else the
+  parameter, saying the gradient is gone. Otherwise step t + 1 is checked in full.
 Measured on a 784-256-256-10 MLP, batch 128, one CPU thread (a shared 2-core VM, median of
-interleaved steps): about +8% per step with `trace=False`, +22% with the trace; the hooks
+interleaved steps): about +4% per step with `trace=False, grad_every=10` (the recorder's
+default; `benchmarks/unrecorded_steps.py`), +7% with grad_every=1, +22% with the trace; the hooks
 dominate (a hook or torch call costs ~10-20 µs right after a step's kernels there). The
 relative cost falls as layers grow, since it is per module, not per FLOP.
 
@@ -43,7 +51,7 @@ import math
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -64,7 +72,7 @@ class _Pending:
     """A finished step whose fetched values are not yet judged (in flight on CUDA)."""
 
     rec: StepRecord
-    values: Tensor                 # [grad norms..., loss?, slot buffers..., detector values...]
+    values: Tensor | None          # [grad norms..., loss?, slot buffers..., detector values...]
     event: Any                     # torch.cuda.Event to wait for, or None
     segments: list[tuple[Slots, int, int]]  # the slot buffers in `values`: used, size
     measured: list[tuple[Detector, list[tuple[str, int]]]]  # keys and sizes per detector
@@ -86,19 +94,27 @@ class HealthMonitor:
     statistics that locate the first non-finite value (default); False checks only the loss
     and the parameter gradients, which is cheaper but names only those. defer: read the check
     one step late (default: on CUDA only).
+    grad_every: check the parameter gradients on every n-th step only (and on detector
+    steps); the loss is still checked on every step. Applies when the loss is given and
+    lives on the CPU, without the trace and not deferred (else gradients are checked every
+    step). A gradient that turns non-finite on an unchecked step is still found, at that
+    step, when its update makes the next step's loss non-finite (see the module docstring);
+    one that is never applied (a skipped update) is found only if it is still non-finite at
+    the next checked step.
     """
 
     def __init__(self, model: nn.Module, *, prefix: str = "", root_name: str = "model",
                  record_next: int = 3, detectors: Sequence[Detector] | None = None,
                  detector_every: int = 10, on_anomaly: Callable[[Finding], None] | None = None,
-                 trace: bool = True, defer: bool | None = None) -> None:
+                 trace: bool = True, defer: bool | None = None, grad_every: int = 1) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"HealthMonitor needs a torch.nn.Module, got {type(model).__name__}")
         if isinstance(record_next, bool) or not isinstance(record_next, int) or record_next < 0:
             raise ValueError(f"record_next must be an integer >= 0, got {record_next!r}")
-        if (isinstance(detector_every, bool) or not isinstance(detector_every, int)
-                or detector_every < 1):
-            raise ValueError(f"detector_every must be an integer >= 1, got {detector_every!r}")
+        for arg, value in (("detector_every", detector_every), ("grad_every", grad_every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{arg} must be an integer >= 1, got {value!r}")
+        self.grad_every = grad_every
         self.detectors = list(default_detectors() if detectors is None else detectors)
         for d in self.detectors:
             if not isinstance(d, Detector):
@@ -124,6 +140,10 @@ class HealthMonitor:
         # DataParallel replicas): records and slots are shared.
         self._lock = threading.Lock()
         self._nonfinite = False    # inside an episode of non-finite steps
+        # (step, kind) of the last finished step if its gradients were not checked, and the
+        # last step whose gradients were
+        self._unchecked: tuple[int, str] | None = None
+        self._last_checked: int | None = None
         self._stop: StopTraining | None = None
         self._reported: set[str] = set()
         self._closed = False
@@ -138,6 +158,7 @@ class HealthMonitor:
         self._untraced = sorted(set(range(len(self.model.modules))) - set(traced))
         self._handles = self._hook(traced, True)
         self._step_handles: list[Any] = []
+        self._observed_cache: dict[tuple[int, ...], list[int]] = {}
 
     # --- the interface the recorder drives ----------------------------------------------------
     def start(self, step: int, kind: str) -> None:
@@ -151,6 +172,7 @@ class HealthMonitor:
         if self._step is not None:  # the previous step failed before finish()
             self._abort(self._step)
             self._unhook_step()
+            self._unchecked = None  # it may have updated the parameters: no evidence left
         slots = self._slot_sets[self._parity]
         if self._defer:  # step t's slots must survive until finish(t + 1) reads them
             self._parity ^= 1
@@ -161,14 +183,19 @@ class HealthMonitor:
         for s in slots.values():
             s.used = 0
         detect = self._starts % self.detector_every == 0
+        grads_due = self._starts % self.grad_every == 0
         self._starts += 1
         due = [d for d in self.detectors if detect or d.every_step]
         rec = StepRecord(step, kind, StepContext(step, kind, self._params), slots, due,
                          [d for d in due if d.observes_outputs])
+        # The loss is checked on every step, gradients every grad_every steps and on detector
+        # steps; with the trace, or deferred (the loss cannot be read before the update), on
+        # every step.
+        rec.check_grads = grads_due or detect or bool(self._handles) or self._defer
         for d in due:
             self._guard(rec, d.begin, rec.ctx)
         if rec.observers:
-            self._step_handles = self._hook(self._untraced, False)
+            self._step_handles = self._hook(self._observed(rec.observers), False)
         self._step = rec
 
     @property
@@ -186,8 +213,20 @@ class HealthMonitor:
         if rec is None:
             raise ValueError("monitor.loss(...) called outside a step; call start(step, kind) "
                              "first")
+        first = rec.loss is None
         rec.loss = loss  # a reference: read in finish(), without a copy or a sync
         rec.ctx.loss_name = name
+        if self._defer or loss.device.type != "cpu" or (not first and rec.loss_host is None):
+            rec.loss_host = None  # read in finish (no sync here), with the gradients
+            rec.check_grads = True
+            return
+        value = loss.item()  # on the CPU a read costs no sync: the loss is there now
+        if rec.loss_host is None or math.isfinite(rec.loss_host):  # keep a non-finite one
+            rec.loss_host = value
+        if not math.isfinite(value):
+            rec.check_grads = True  # re-run the decision: this step is checked in full
+            if first and self._unchecked is not None and not self._nonfinite:
+                self._held = self._merge(self._held, self._before_forward(rec.step))
 
     def finish(self, step: int) -> tuple[list[Finding], int]:
         """End step `step` (after backward and the optimiser step).
@@ -202,6 +241,11 @@ class HealthMonitor:
             raise ValueError(f"monitor.finish({step}) called after start of {started}; call "
                              "start(step, kind) and finish(step) once per step, in order")
         result = self.flush()  # the previous step's, in deferred mode
+        if rec.loss_host is None:  # no loss read at once: the gradients are the check
+            rec.check_grads = True
+        self._unchecked = None if rec.check_grads else (rec.step, rec.kind)
+        if rec.check_grads:
+            self._last_checked = rec.step
         pending = self._launch(rec)
         if pending is not None:
             if self._defer:
@@ -242,6 +286,16 @@ class HealthMonitor:
     def _hook(self, indices: list[int], traced: bool) -> list[Any]:
         return [self.model.modules[i].register_forward_hook(
             partial(self._on_forward, i, traced)) for i in indices]
+
+    def _observed(self, observers: list[Detector]) -> list[int]:
+        """The untraced modules whose outputs one of `observers` wants (cached per set)."""
+        key = tuple(map(id, observers))
+        found = self._observed_cache.get(key)
+        if found is None:
+            found = self._observed_cache[key] = [
+                i for i in self._untraced
+                if any(d.observes(self.model.modules[i]) for d in observers)]
+        return found
 
     def _unhook_step(self) -> None:
         for h in self._step_handles:
@@ -391,11 +445,12 @@ class HealthMonitor:
         # gradients, one stack with the loss, one cat with the slot buffers, one transfer.
         # A norm is non-finite iff its gradient is, or overflows (values past ~1e19): the
         # trace re-checks those before it reports one.
-        grads = self._new_grads(rec)
+        grads = self._new_grads(rec) if rec.check_grads else []
         scalars = list(torch._foreach_norm(grads)) if grads else []
-        if rec.loss is not None:
+        fetch_loss = rec.loss is not None and rec.loss_host is None
+        if fetch_loss:
             scalars.append(rec.loss if rec.loss.dim() == 0 else rec.loss.reshape(()))
-        if not self._one_device or (rec.loss is not None and rec.loss.device != self._device):
+        if not self._one_device or (fetch_loss and rec.loss.device != self._device):
             scalars = [t.to(self._device) for t in scalars]
         pieces = [torch.stack(scalars)] if scalars else []
         # Whole buffers, unused tail included: slicing them would be one more op.
@@ -415,9 +470,9 @@ class HealthMonitor:
             vector = torch.cat([p if p.device == self._device else p.to(self._device)
                                 for p in pieces])
         else:
-            vector = torch.zeros(0)
+            vector = None  # an unchecked step: its loss was read already, nothing to fetch
         event = None
-        if self._defer and vector.is_cuda:
+        if self._defer and vector is not None and vector.is_cuda:
             # Pinned memory: a copy to pageable memory would block until the GPU is done.
             host = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)
             host.copy_(vector, non_blocking=True)
@@ -432,11 +487,13 @@ class HealthMonitor:
         try:
             if p.event is not None:
                 p.event.synchronize()
-            values = p.values.tolist()
+            values = p.values.tolist() if p.values is not None else []
             at = len(rec.grad_params)
             norms = values[:at]
-            loss = values[at] if rec.loss is not None else None
-            at += rec.loss is not None
+            loss = rec.loss_host
+            if loss is None and rec.loss is not None:
+                loss = values[at]
+                at += 1
             host: dict[int, list[float]] = {}
             for slots, used, size in p.segments:
                 host[id(slots)] = values[at:at + used]
@@ -463,6 +520,49 @@ class HealthMonitor:
         self._notify(findings)
         acute = any(f.detector in self._acute for f in findings)
         return findings, self.record_next if acute else 0
+
+    def _before_forward(self, step: int) -> tuple[list[Finding], int]:
+        """The loss of `step` is not finite, and the previous step's gradients were not
+        checked. If the parameters are non-finite already (before this step's backward and
+        update), that step's update made them so: it is the first non-finite step, named by
+        its gradients if they are still held, else by the parameter. Otherwise this step's
+        forward is the origin, found by its full check in finish()."""
+        assert self._unchecked is not None
+        prev, kind = self._unchecked
+        try:
+            with torch.no_grad():
+                bad = [i for i, (_, p, _) in enumerate(self.model.params)
+                       if not bool(torch.isfinite(p).all())]
+                if not bad:
+                    return [], 0
+                old = StepRecord(prev, kind, StepContext(prev, kind, self._params), {}, [], [])
+                grads = self._new_grads(old)  # the previous step's, unless zeroed since
+                norms = [float(n) for n in torch._foreach_norm(grads)] if grads else []
+                origin = self._tracer.trace(old, None, {}, norms)
+        except Exception as exc:  # the full check of this step in finish() still runs
+            self._warn_once(f"health check of the parameters failed ({type(exc).__name__}: "
+                            f"{exc}) at step {step}; training continues")
+            return [], 0
+        since = ("since the start" if self._last_checked is None
+                 else f"after step {self._last_checked}")
+        how = (f"found at step {step}, whose loss is non-finite while its parameters already "
+               f"were before its forward; gradients are checked every {self.grad_every} "
+               f"steps and were not {since}")
+        if origin is not None:
+            origin = replace(origin, message=f"{origin.message} ({how})")
+        else:
+            i = min(bad, key=lambda i: (-self.model.params[i][2], i))  # output side first
+            name, param, module = self.model.params[i]
+            origin = Finding(prev, name, "nonfinite", None, None, (
+                f"first non-finite value at step {prev} or earlier: parameter {name} (shape "
+                f"{tuple(param.shape)}) of {self.model.paths[module]} is non-finite before the "
+                f"forward of step {step}, and the loss of step {prev} was finite: the update "
+                f"of step {prev} made it non-finite (or an earlier unchecked one, if {name} "
+                f"does not reach the loss). Its gradient was zeroed before this forward, so "
+                f"the gradient that caused it cannot be named ({how})"))
+        self._nonfinite = True
+        self._notify([origin])
+        return [origin], self.record_next
 
     def _notify(self, findings: list[Finding]) -> None:
         if self.on_anomaly is None:

@@ -106,6 +106,8 @@ class StepRecord:
     memo: dict[int, tuple[weakref.ref, int, int]] = field(default_factory=dict)
     numbers: dict[int, int] = field(default_factory=dict)  # module index -> calls so far
     loss: Tensor | None = None
+    loss_host: float | None = None  # the loss read at once (CPU): not in the fetched vector
+    check_grads: bool = True        # parameter gradients are checked in this step
     broken: bool = False
 
 

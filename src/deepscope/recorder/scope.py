@@ -33,6 +33,7 @@ log = logging.getLogger("deepscope")
 _open_scopes: weakref.WeakSet = weakref.WeakSet()
 MAX_STEP = 2**63 - 1  # SQLite's largest integer
 KPI_FLUSH_SECONDS = 1.0  # unrecorded steps' KPIs are committed at least this often
+CHECK_GRADS_EVERY = 10  # the default health check reads gradients on every 10th step
 
 
 class Scope:
@@ -55,13 +56,16 @@ class Scope:
     on_full: "block" (back-pressure) or "drop" (drop whole steps) when the writer lags.
     exact_views: store per-neuron / per-sample aggregate views as float32 instead of
         bfloat16 (twice the bytes). Statistics and sample values are always exact.
-    anomalies: the health check of the watched model. "check" (default): non-finite loss or
-        gradients every step (the first non-finite gradient is named) plus the gradient /
-        loss / activation detectors every 10 steps; "trace": also hooks every module to name
-        the *first* tensor, forward or backward, where a non-finite value appears (costs
-        more: ~20% on a small MLP); False/None: off. After a non-finite step the next
-        `record_next` steps are recorded in full. `on_anomaly(finding)` is called for every
-        finding; raise `deepscope.anomalies.StopTraining` from it to stop training.
+    anomalies: the health check of the watched model. "check" (default): a non-finite loss
+        on every step, gradients every 10th step (with a loss on the CPU; else every step),
+        the first non-finite gradient named — also when it was on an unchecked step whose
+        update made the next loss non-finite (`scope.monitor.grad_every = 1` checks every
+        step) — plus the gradient / loss / activation detectors every 10 steps; "trace":
+        also hooks every module to name the *first* tensor, forward or backward, where a
+        non-finite value appears (costs more: ~20% on a small MLP); False/None: off. After
+        a non-finite step the next `record_next` steps are recorded in full.
+        `on_anomaly(finding)` is called for every finding; raise
+        `deepscope.anomalies.StopTraining` from it to stop training.
     """
 
     def __init__(self, path: str | Path = "runs", run: str = "run", *,
@@ -218,7 +222,8 @@ class Scope:
         if self._anomalies and self.monitor is None:
             self.monitor = HealthMonitor(model, prefix=name or "", root_name=name or "model",
                                          record_next=self._record_next,
-                                         trace=self._anomalies == "trace")
+                                         trace=self._anomalies == "trace",
+                                         grad_every=CHECK_GRADS_EVERY)
         if optimizer is not None:
             self._optimizer = optimizer
         if self._instrument_spec is not None and self.instruments is None:
