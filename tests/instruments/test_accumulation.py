@@ -381,3 +381,22 @@ def test_wrong_order_and_shared_forward_say_what_happened() -> None:
     second.mean().backward()
     collect(values, inst.finish())
     assert "two registered losses on one forward" in values[("NormTest", 1, "")].meta["reason"]
+
+
+def test_a_tensor_registered_after_the_loss_of_one_batch_stays_in_its_iteration(tmp_path):
+    """Only the next forward (a repeated name, a watched module, the next rec.loss) starts a
+    micro-batch: a new name logged after the loss of a single-batch step is iteration 0."""
+    import deepscope
+
+    model = mlp()
+    x, _ = data(model, 4, 0)
+    with deepscope.Scope(tmp_path, "r", anomalies=False) as scope, scope.step(0) as rec:
+        rec.tensor("input", x, role="input")
+        out = model(x)
+        losses = out.square().mean(1)
+        rec.loss(losses.mean(), per_sample=losses)
+        rec.tensor("output", out)  # after the loss, a name not seen yet in this step
+        losses.mean().backward()
+    run = deepscope.open_run(tmp_path / "r")
+    assert {t["name"] for t in run.graph(0, iteration=0)["tensors"]} >= {"input", "output"}
+    assert run.step_table()["iterations"].tolist() == [1]

@@ -184,7 +184,9 @@ class StepRecorder:
         if role_in_node is not None:
             _check_name(role_in_node, "role_in_node")
         batch_dim = _check_batch_dim(name, tensor, batch_dim)
-        if self._after_loss:
+        if self._after_loss and (name, self._iteration) in self._seen:
+            # a name registered again after a rec.loss: the next micro-batch's forward
+            # (a new name after the loss stays with the micro-batch it follows)
             self._next_micro_batch()
         key = (name, self._iteration)
         if key in self._seen:
@@ -212,8 +214,10 @@ class StepRecorder:
 
         Gradient accumulation: call rec.loss once per micro-batch, each before that
         micro-batch's backward; the k micro-batches of the step are one batch of all their
-        samples for the instruments. Tensors registered after a rec.loss (the next
-        micro-batch's forward) go to a new iteration: micro-batch m is iteration m.
+        samples for the instruments. The next micro-batch's forward (a watched module's output,
+        a tensor name registered again, or the next rec.loss after a rec.loss) starts a new
+        iteration: micro-batch m is iteration m. A tensor of a new name registered after
+        the loss stays with the micro-batch it follows.
 
         The loss is also logged as the KPI `name` on every step: with several rec.loss calls
         of one name, their sum (the loss whose gradient the optimiser step uses).
@@ -310,7 +314,8 @@ class StepRecorder:
 
     # --- internals ------------------------------------------------------------------------
     def _next_micro_batch(self) -> None:
-        """The first tensor or loss after a rec.loss starts the next micro-batch's iteration."""
+        """After a rec.loss, the next micro-batch's iteration starts at the next rec.loss, the next
+        watched module's forward, or a tensor name registered again."""
         self._after_loss = False
         self._iteration += 1
         self._iterations_used = True
