@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,38 @@ class StepState:
     curvature: dict[str, Any] = field(default_factory=dict)  # see `CurvatureRunner.run`
     failed: dict[str, str] = field(default_factory=dict)  # quantity -> reason, from loss()
     hist_results: dict[str, tuple[dict[str, Histogram], dict]] | None = None
+
+    def take_loss(self, loss: Tensor) -> None:
+        """Take a loss given without per-sample losses (only Loss is then computed)."""
+        self.loss = loss.detach().double().reshape(())
+        if self.calls > 1:
+            self.failed["Loss"] = (
+                "several rec.loss calls in this step (gradient accumulation): Loss needs "
+                "per_sample= in each, to weigh the micro-batches by their samples")
+
+    def take_losses(self, losses: Tensor, reduction: str) -> int:
+        """Add a micro-batch's (B,) ℓᵢ, its loss a `reduction` ("mean" | "sum") of them;
+        return how many samples came before it. Raises ValueError when the micro-batches
+        are reduced differently."""
+        if self.counts and reduction != self.reduction:
+            raise ValueError(
+                f"micro-batch {len(self.counts) + 1}'s loss is a {reduction} of per_sample but "
+                f"the earlier ones were a {self.reduction}; reduce every micro-batch alike")
+        before = sum(self.counts)
+        self.counts.append(losses.shape[0])
+        self.losses = losses if self.losses is None else torch.cat([self.losses, losses])
+        self.loss = self.losses.mean()
+        self.reduction = reduction
+        return before
+
+    def forward_seconds(self, device: torch.device) -> float:
+        """Seconds since start(), "auto"'s yardstick for the forward: on the CPU the
+        thread's CPU time, which a busy machine does not inflate (then a small budget errs
+        towards Hutchinson); elsewhere wall time (the caller waited for the device)."""
+        wall, cpu = self.started_at
+        if device.type == "cpu":
+            return time.thread_time() - cpu
+        return time.perf_counter() - wall
 
 
 def missing(name: str, step: int, reason: str, layer: str = TOTAL) -> QuantityValue:

@@ -305,39 +305,21 @@ class Instruments:
                     f"{', '.join(sorted(needs))} need the per-sample losses: pass per_sample= "
                     "(reduction='none'), e.g. rec.loss(losses.mean(), per_sample=losses)"
                 )
-            state.loss = loss.detach().double().reshape(())
-            if state.calls > 1:
-                state.failed["Loss"] = (
-                    "several rec.loss calls in this step (gradient accumulation): Loss needs "
-                    "per_sample= in each, to weigh the micro-batches by their samples")
+            state.take_loss(loss)
             return
         if not isinstance(per_sample, Tensor) or per_sample.dim() < 1 or per_sample.numel() == 0:
             raise TypeError("per_sample must be a non-empty tensor of per-sample losses (B, ...)")
         losses, scale, kind = reduce_loss(loss, per_sample)
         reduction = "sum" if kind == "sum" and losses.shape[0] > 1 else "mean"
-        if state.counts and reduction != state.reduction:
-            raise ValueError(
-                f"micro-batch {len(state.counts) + 1}'s loss is a {reduction} of per_sample but "
-                f"the earlier ones were a {state.reduction}; reduce every micro-batch alike")
-        before = sum(state.counts)
-        state.counts.append(losses.shape[0])
-        state.losses = losses if state.losses is None else torch.cat([state.losses, losses])
-        state.loss = state.losses.mean()
-        state.reduction = reduction
+        before = state.take_losses(losses, reduction)
         if state.engine_on:
             # ∂loss/∂(one element of per_sample): a mean also averages each sample's parts
             unit = 1 / (scale * per_sample[0].numel()) if kind == "mean" else 1 / scale
             self._engine.add_loss(loss, scale, per_sample, unit)
         if state.due & NEEDS_HESSIAN:
-            # the forward's time, "auto"'s yardstick: on the CPU the thread's CPU time, which a
-            # busy machine does not inflate (then a small budget errs towards Hutchinson);
-            # elsewhere wall time (reduce_loss waited for the device)
-            wall, cpu = state.started_at
-            forward_s = (time.thread_time() - cpu if loss.device.type == "cpu"
-                         else time.perf_counter() - wall)
+            forward_s = state.forward_seconds(loss.device)  # (reduce_loss waited for it)
             # H of the micro-batch's mean loss = loss · scale / B, whatever the reduction
-            previous, state.curvature = state.curvature, {}
-            batch = losses.shape[0]
+            previous, batch = state.curvature, losses.shape[0]
             mean_loss = loss if scale == batch else loss * (scale / batch)
             state.curvature, failed = self._curvature.run(
                 mean_loss, list(self._params.values()), state.due, state.step, forward_s)
