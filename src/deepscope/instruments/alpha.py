@@ -12,10 +12,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from .base import QuantityValue
+
+if TYPE_CHECKING:
+    from .batch import Batch
 
 MIN_VARIANCE = 1e-10  # a zero variance would give the point infinite weight
 
@@ -111,3 +117,51 @@ def fit_alpha(start: LinePoint, end: LinePoint, tau: float) -> AlphaFit:
         return AlphaFit(alpha=None, mu=mu, reason="the fitted slope at the start is zero")
     # 2τ/(−μ₁/μ₂) − 1 = −2τμ₂/μ₁ − 1 = −2c₂/c₁ − 1
     return AlphaFit(alpha=-2 * c2 / c1 - 1, mu=mu)
+
+
+# -- the two steps of one α, as the suite drives them --------------------------------------
+def want_dots(
+    batch: Batch, end: AlphaStart | None, update: dict[str, Tensor] | None, tau: float
+) -> None:
+    """Register α's products gᵢ·v of this step with the others, to share one pass: along
+    the previous step's update `end` (its end point) and along this step's `update` of
+    size τ (its start point, unless τ = 0 or it is a plain SGD step)."""
+    if end is not None:
+        batch.want("end", end.update)
+    if update is not None and tau > 0 and not batch.is_sgd_step("start", update, tau):
+        batch.want("start", update)
+
+
+def measure_start(
+    step: int, losses: Tensor, batch: Batch, update: dict[str, Tensor], tau: float
+) -> AlphaStart | QuantityValue:
+    """α's start point at `step` (α itself comes at the next step), or α = −1 now if the
+    update dₜ (`update`, per parameter tensor; τ = ‖dₜ‖) is zero.
+
+    Args:
+        losses: (B,) ℓᵢ of the step's batch.
+    """
+    if tau == 0:
+        return QuantityValue("Alpha", step, value=-1.0, meta={"tau": 0.0})
+    projections = batch.projections("start", update, tau)
+    batch.check_complete("Alpha")
+    return AlphaStart(step, line_point(losses, projections), update, tau)
+
+
+def measure_alpha(start: AlphaStart, losses: Tensor, batch: Batch, end_step: int) -> QuantityValue:
+    """α of step start.step from its start point and the end point measured at `end_step`
+    on its batch (`losses`: (B,) ℓᵢ)."""
+    projections = batch.projections("end", start.update, start.tau)
+    batch.check_complete("Alpha")
+    end = line_point(losses, projections)
+    fit = fit_alpha(start.point, end, start.tau)
+    meta: dict[str, Any] = {
+        "tau": start.tau, "end_step": end_step,
+        "f": [start.point.f, end.f], "df": [start.point.df, end.df],
+        "var_f": [start.point.var_f, end.var_f], "var_df": [start.point.var_df, end.var_df],
+    }
+    if fit.mu is not None:
+        meta["mu"] = list(fit.mu)
+    if fit.reason is not None:
+        meta["reason"] = fit.reason
+    return QuantityValue("Alpha", start.step, value=fit.alpha, meta=meta)

@@ -7,6 +7,9 @@ Conventions shared by every function here:
 - Reductions run in float64, because several quantities subtract nearly equal numbers.
 - A row whose quantity is undefined by its definition (e.g. a zero mean gradient in a
   denominator) holds NaN or ±Inf; the caller reports it as missing with the reason.
+
+`curvature_runner` (not re-exported here) is the stateful side of `curvature`: it runs the
+curvature quantities' Hessian-vector products at a step for the suite.
 """
 
 from .curvature import (
