@@ -29,11 +29,13 @@ def _record(path, make_opt):
     scope.close()
     with deepscope.open_run(scope.run_dir) as run:
         table = run.quantities()
+        assert sorted(run.warnings()["message"]) == sorted(warned)  # stored in the run too
     return table[table["layer"] == ""], warned
 
 
 def test_other_optimizers_are_named_in_the_note_and_warned(tmp_path):
-    table, warned = _record(tmp_path, lambda p: torch.optim.Adam(p, lr=0.01))
+    with pytest.warns(deepscope.DeepscopeWarning, match="EarlyStopping assumes plain SGD"):
+        table, warned = _record(tmp_path, lambda p: torch.optim.Adam(p, lr=0.01))
     for name in ("CABS", "EarlyStopping"):
         notes = [m.get("note", "") for m in table[table["name"] == name]["meta"]]
         assert len(notes) == 2 and all(f"{name} assumes plain SGD" in n and "Adam" in n

@@ -535,6 +535,5 @@ class Instruments:
         note = (f"{name} assumes plain SGD (no momentum, weight decay, dampening or Nesterov); "
                 f"computed for {type(self.optimizer).__name__} anyway, where the criterion "
                 "does not hold as stated")
-        if note not in self._warnings:
-            self._warnings.append(note)
+        self._warn(note, frozenset({name}))  # once: a Python warning, stored in the run
         return {"note": note}
