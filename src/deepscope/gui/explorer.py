@@ -280,7 +280,7 @@ def _node_values(rd: RunData, sel: dict[str, Any], node_of: dict[str, str],
             return {}, f"{name}: not tracked per layer up to this step"
         at = int(q["step"].max())
         for layer, value in q[q["step"] == at][["layer", "value"]].itertuples(index=False):
-            per_tensor[_tensor_for_layer(layer, node_of)] = value
+            per_tensor[layer] = value  # a quantity's layer is the recorded parameter name
         caption = f"{name} at step {at}"
     per_node: dict[str, float] = {}
     for t, v in per_tensor.items():
@@ -288,13 +288,6 @@ def _node_values(rd: RunData, sel: dict[str, Any], node_of: dict[str, str],
         if n is not None and v is not None and math.isfinite(v):
             per_node[n] = max(per_node.get(n, -math.inf), v)
     return per_node, caption + " (node: max over its tensors)"
-
-
-def _tensor_for_layer(layer: str, node_of: dict[str, str]) -> str:
-    """A quantity's layer is a parameter name; watched models may add a prefix to it."""
-    if layer in node_of:
-        return layer
-    return next((t for t in node_of if t.endswith("." + layer)), layer)
 
 
 def _legend(layout: graph_view.GraphLayout, scale: graph_view.ColourScale | None,
