@@ -186,7 +186,9 @@ class Scope:
               node_depth: int | None = None) -> nn.Module:
         """Track every parameter of `model` (values and gradients) by dotted name.
 
-        name: prefix for the names (default none). activations: also record every module's
+        name: prefix for the names (default none): tensors, quantity layers, health findings
+        and instrument warnings all carry the same names ("head.weight", module "head";
+        without a name the root module is "model"). activations: also record every module's
         output by forward hooks (names from module paths; the model's own output has role
         "output"). optimizer: its learning rate (of the first parameter group, as at the start
         of each step) is logged as the KPI "learning_rate" unless the step logs one itself;
