@@ -7,6 +7,7 @@ Its value and content id are still "anomalies" (the tab's former name), kept for
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import dash
@@ -14,30 +15,13 @@ from dash import ALL, Input, Output, ctx, html
 
 from ...diagnosis import THRESHOLD, examine
 from .. import ids, panels
-from ..data import ProjectData
-from ..guard import error_box, guard
+from ..data import ProjectData, RunData
 from ..widgets import list_table
-from . import Tab
-
-VALUE = "anomalies"
-CONTENT = "anomalies"  # the tab's content div
-
-
-def layout(_run_options: list[dict[str, str]]) -> html.Div:
-    return html.Div(id=CONTENT, className="card")
+from . import run_card
 
 
 def register(app: dash.Dash, project: ProjectData) -> None:
-    @app.callback(Output(CONTENT, "children"), Input(ids.TABS, "value"),
-                  Input(ids.RUN, "value"), Input(ids.VERSION_SLOW, "data"))
-    @guard(lambda msg: error_box(msg))
-    def _diagnosis(tab: str, run: str | None, _v: Any) -> Any:
-        if tab != VALUE or not run:
-            raise dash.exceptions.PreventUpdate
-        rd = project.run(run)
-        found, missing = rd.cached("diagnoses", lambda r: examine(r))
-        findings = rd.cached("anomalies", lambda r: r.anomalies())
-        return [*_diagnoses(run, found), *_missing(missing), *_findings(run, findings)]
+    _CARD.register(app, project)
 
     @app.callback(Output(ids.TABS, "value"),
                   Input({"type": ids.GO, "step": ALL, "where": ALL}, "n_clicks"),
@@ -46,6 +30,12 @@ def register(app: dash.Dash, project: ProjectData) -> None:
         if ids.picked(ctx.triggered_id, ctx.triggered) is None:
             raise dash.exceptions.PreventUpdate
         return ids.GRAPH_TAB
+
+
+def _diagnosis(rd: RunData, run: str) -> list[Any]:
+    found, missing = rd.cached("diagnoses", lambda r: examine(r))
+    findings = rd.cached("anomalies", lambda r: r.anomalies())
+    return [*_diagnoses(run, found), *_missing(missing), *_findings(run, findings)]
 
 
 def _diagnoses(run: str, found: list) -> list[Any]:
@@ -91,4 +81,5 @@ def _findings(run: str, found: Any) -> list[Any]:
         for row in found[cols].itertuples(index=False)])]
 
 
-TAB = Tab("Diagnosis", VALUE, layout, register)
+_CARD = run_card("Diagnosis", "anomalies", "anomalies", _diagnosis)  # value, content div
+TAB = replace(_CARD, register=register)  # the card, and its rows' links to the graph tab

@@ -15,7 +15,7 @@ from ..data import ProjectData
 from ..figures import SERIES_COLOURS, base_layout, ema, line_trace
 from ..guard import contained, error_box, guard
 from ..widgets import GRAPH_CONFIG, dropdown, labelled
-from . import Tab, only_on
+from . import Tab
 
 VALUE = "kpis"
 RUNS = "kpi-runs"  # the runs overlaid (the poll keeps its options current)
@@ -74,7 +74,8 @@ def register(app: dash.Dash, project: ProjectData) -> None:
     @guard(lambda msg: [error_box(msg)])
     def _kpis(tab: str, runs: list[str] | None, smoothing: float | None,
               _v: Any) -> list[Any]:
-        only_on(tab, VALUE)
+        if tab != VALUE:
+            raise dash.exceptions.PreventUpdate
         present = [r for r in runs or [] if r in project.runs()]
         return kpi_charts(project, present, float(smoothing or 0))
 
