@@ -26,8 +26,6 @@ from . import Tab
 from .instruments import PER_LAYER
 
 _LAYOUTS = LRU(128)  # graph structure fingerprint -> GraphLayout (pure function of the graph)
-
-
 STATISTICS = [s for s in STAT_COLUMNS if s != "numel"]
 COLOUR_OPTIONS = ([{"label": "role", "value": "role"}]
                   + [{"label": f"statistic: {s}", "value": f"stat:{s}"} for s in STATISTICS]
