@@ -97,8 +97,8 @@ def test_a_named_watch_names_tensors_quantities_findings_and_warnings_alike(tmp_
 def test_the_graph_links_a_node_to_its_quantities_by_the_recorded_names(tmp_path) -> None:
     from deepscope.gui import graph_view
     from deepscope.gui.data import ProjectData
-    from deepscope.gui.explorer import _node_values
     from deepscope.gui.selection import Request, resolve
+    from deepscope.gui.tabs.graph import _node_values
 
     with pytest.warns(DeepscopeWarning):
         _named_head_run(tmp_path).close()
