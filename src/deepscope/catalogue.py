@@ -1,6 +1,11 @@
-"""The quantity catalogue: every quantity's name and Cockpit's configurations, and validation
-of a user's choice. No torch: the query API, the GUI and the dashboards check names here
-without loading the instruments.
+"""The quantity catalogue: one spec per quantity (its name, what it needs at a step, whether
+it is shown per layer, its configuration, its GUI panel, its Cockpit name) and the GUI's
+panels; the configurations, the instruments' needs, the GUI panels and layer choices derive
+from it. No torch: the query API, the GUI and the dashboards read it without loading the
+instruments.
+
+Adding a quantity is one `register(QuantitySpec(...))` (or one entry in `_BUILT_IN`) plus its
+compute function, which the instruments hold (`deepscope.instruments.suite.computes`).
 
 The configurations are exactly Cockpit's (see QUANTITIES.md): economy, business (economy
 plus TICDiag and HessTrace) and full (business plus HessMaxEV and GradHist2d). TICTrace,
@@ -10,36 +15,161 @@ MeanGSNR, CABS and EarlyStopping are in no configuration and are available by na
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .suggest import did_you_mean
 
-# Every quantity, in the order the suite reports them.
-QUANTITY_NAMES: tuple[str, ...] = (
-    "Loss",
-    "GradNorm",
-    "Distance",
-    "UpdateSize",
-    "NormTest",
-    "InnerTest",
-    "OrthoTest",
-    "GradHist1d",
-    "GradHist2d",
-    "Alpha",
-    "HessTrace",
-    "TICDiag",
-    "TICTrace",
-    "HessMaxEV",
-    "MeanGSNR",
-    "CABS",
-    "EarlyStopping",
-)
+# What a quantity may need at a step (the suite turns on only what the due ones need):
+# "loss": rec.loss(...) was called; "engine": per-sample gradient statistics (needs the
+# per-sample losses); "diagonal": the Hessian diagonal; "hessian": any Hessian-vector
+# products; "snapshot": θₜ copied at the start of the step.
+NEEDS = ("loss", "engine", "diagonal", "hessian", "snapshot")
+LEVELS = ("economy", "business", "full")  # each configuration holds the ones before it
 
-ECONOMY: frozenset[str] = frozenset(
-    {"Alpha", "Distance", "GradHist1d", "GradNorm", "InnerTest", "Loss", "NormTest",
-     "OrthoTest", "UpdateSize"}
+
+@dataclass(frozen=True)
+class QuantitySpec:
+    """One quantity.
+
+    name: Cockpit's spelling (also the stored name). needs: a subset of `NEEDS`.
+    per_layer: the GUI offers it per layer (layer choice, Graph tab colouring).
+    level: the smallest configuration holding it ("economy", "business", "full"), or None.
+    panel: the key of its GUI Instruments panel (`PANELS`), or None (not drawn there).
+    cockpit: the name of Cockpit's quantity class (default: `name`).
+    """
+
+    name: str
+    needs: frozenset[str] = frozenset({"loss"})
+    per_layer: bool = False
+    level: str | None = None
+    panel: str | None = None
+    cockpit: str = ""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.needs) - set(NEEDS)
+        if unknown:
+            raise ValueError(f"{self.name}: unknown needs {sorted(unknown)}; valid: {NEEDS}")
+        if self.level is not None and self.level not in LEVELS:
+            raise ValueError(f"{self.name}: level must be one of {LEVELS} or None")
+        if self.panel is not None and self.panel not in PANELS:
+            raise ValueError(f"{self.name}: panel must be one of {', '.join(PANELS)} or None")
+        if not self.cockpit:
+            object.__setattr__(self, "cockpit", self.name)
+
+
+@dataclass(frozen=True)
+class PanelSpec:
+    """One GUI Instruments panel: title, section, the quantities drawn on a right axis,
+    markers instead of lines, and height in pixels."""
+
+    title: str
+    section: str
+    right: tuple[str, ...] = ()
+    markers: bool = False
+    height: int = 240
+
+
+# The GUI Instruments panels in display order; a quantity names its panel.
+PANELS: dict[str, PanelSpec] = {
+    "alpha": PanelSpec("Alpha (0: valley floor, >1: overshoot)", "Step size", markers=True),
+    "distance": PanelSpec("Distance (left), UpdateSize (right)", "Step size",
+                          right=("UpdateSize",)),
+    "gradnorm": PanelSpec("Gradient norm", "Step size"),
+    "tests": PanelSpec("Gradient tests (near 1: batch size fits)", "Gradients"),
+    "hist1d": PanelSpec("Gradient elements (log counts)", "Gradients"),
+    "snr": PanelSpec("GSNR, CABS, early stopping", "Gradients", height=360),
+    "hessmaxev": PanelSpec("Hessian max eigenvalue", "Curvature"),
+    "hesstrace": PanelSpec("Hessian trace", "Curvature"),
+    "tic": PanelSpec("Takeuchi information criterion", "Curvature", height=360),
+    "performance": PanelSpec("Loss and KPIs", "Performance", height=360),
+}
+
+_L = frozenset({"loss"})
+_E = frozenset({"loss", "engine"})
+_D = frozenset({"loss", "engine", "diagonal", "hessian"})
+# Every built-in quantity, in the order the suite reports them.
+_BUILT_IN: tuple[QuantitySpec, ...] = (
+    QuantitySpec("Loss", _L, level="economy", panel="performance"),
+    QuantitySpec("GradNorm", _E, per_layer=True, level="economy", panel="gradnorm"),
+    QuantitySpec("Distance", frozenset(), per_layer=True, level="economy", panel="distance"),
+    QuantitySpec("UpdateSize", frozenset({"snapshot"}), per_layer=True, level="economy",
+                 panel="distance"),
+    QuantitySpec("NormTest", _E, level="economy", panel="tests"),
+    QuantitySpec("InnerTest", _E, level="economy", panel="tests"),
+    QuantitySpec("OrthoTest", _E, level="economy", panel="tests"),
+    QuantitySpec("GradHist1d", _E, level="economy", panel="hist1d"),
+    QuantitySpec("GradHist2d", _E | {"snapshot"}, level="full"),
+    QuantitySpec("Alpha", _E | {"snapshot"}, level="economy", panel="alpha"),
+    QuantitySpec("HessTrace", frozenset({"loss", "diagonal", "hessian"}), per_layer=True,
+                 level="business", panel="hesstrace"),
+    QuantitySpec("TICDiag", _D, per_layer=True, level="business", panel="tic"),
+    QuantitySpec("TICTrace", _D, panel="tic"),
+    QuantitySpec("HessMaxEV", frozenset({"loss", "hessian"}), level="full", panel="hessmaxev"),
+    QuantitySpec("MeanGSNR", _E, panel="snr"),
+    QuantitySpec("CABS", _E, panel="snr"),
+    QuantitySpec("EarlyStopping", _E, panel="snr"),
 )
-BUSINESS: frozenset[str] = ECONOMY | {"TICDiag", "HessTrace"}
-FULL: frozenset[str] = BUSINESS | {"HessMaxEV", "GradHist2d"}
+_SPECS: dict[str, QuantitySpec] = {q.name: q for q in _BUILT_IN}
+
+# The built-in quantities, in the order the suite reports them (`names()`: with registered).
+QUANTITY_NAMES: tuple[str, ...] = tuple(_SPECS)
+
+
+def specs() -> tuple[QuantitySpec, ...]:
+    """Every quantity's spec, built-in and registered, in report order."""
+    return tuple(_SPECS.values())
+
+
+def names() -> tuple[str, ...]:
+    """Every quantity's name, built-in and registered, in report order."""
+    return tuple(_SPECS)
+
+
+def spec(name: str) -> QuantitySpec:
+    """The spec of quantity `name` (KeyError with the valid names if unknown)."""
+    try:
+        return _SPECS[name]
+    except KeyError:
+        raise KeyError(did_you_mean(name, list(_SPECS), "quantity")) from None
+
+
+def register(new: QuantitySpec) -> None:
+    """Add a quantity (its compute function goes to `deepscope.instruments.suite.computes`)."""
+    if new.name in _SPECS:
+        raise ValueError(f"quantity {new.name!r} is already in the catalogue")
+    _SPECS[new.name] = new
+
+
+def unregister(name: str) -> None:
+    """Remove a registered quantity (built-in ones stay)."""
+    if name in QUANTITY_NAMES:
+        raise ValueError(f"{name!r} is built in and cannot be removed")
+    _SPECS.pop(name, None)
+
+
+def needing(need: str) -> frozenset[str]:
+    """The quantities that need `need` (one of `NEEDS`)."""
+    return frozenset(q.name for q in _SPECS.values() if need in q.needs)
+
+
+def per_layer() -> tuple[str, ...]:
+    """The quantities the GUI offers per layer, in report order."""
+    return tuple(q.name for q in _SPECS.values() if q.per_layer)
+
+
+def panel_quantities(key: str) -> tuple[str, ...]:
+    """The quantities drawn in GUI panel `key`, in report order."""
+    return tuple(q.name for q in _SPECS.values() if q.panel == key)
+
+
+def _configuration(level: str) -> frozenset[str]:
+    upto = set(LEVELS[:LEVELS.index(level) + 1])
+    return frozenset(q.name for q in _SPECS.values() if q.level in upto)
+
+
+ECONOMY: frozenset[str] = _configuration("economy")
+BUSINESS: frozenset[str] = _configuration("business")
+FULL: frozenset[str] = _configuration("full")
 
 CONFIGURATIONS: dict[str, frozenset[str]] = {
     "economy": ECONOMY,
@@ -51,12 +181,12 @@ CONFIGURATIONS: dict[str, frozenset[str]] = {
 def _valid_names_text() -> str:
     return (
         f"valid configurations: {', '.join(CONFIGURATIONS)}; "
-        f"valid quantity names: {', '.join(QUANTITY_NAMES)}"
+        f"valid quantity names: {', '.join(names())}"
     )
 
 
 def resolve_quantities(quantities: str | Sequence[str]) -> tuple[str, ...]:
-    """The chosen quantity names, deduplicated, in `QUANTITY_NAMES` order.
+    """The chosen quantity names, deduplicated, in catalogue order.
 
     Args:
         quantities: "economy" | "business" | "full" (any case), one quantity name, or a
@@ -68,7 +198,7 @@ def resolve_quantities(quantities: str | Sequence[str]) -> tuple[str, ...]:
     """
     if isinstance(quantities, str):
         if quantities.lower() in CONFIGURATIONS:
-            chosen: set[str] = set(CONFIGURATIONS[quantities.lower()])
+            chosen: set[str] = set(_configuration(quantities.lower()))
         else:
             chosen = {quantities}
     elif isinstance(quantities, Sequence):
@@ -85,11 +215,12 @@ def resolve_quantities(quantities: str | Sequence[str]) -> tuple[str, ...]:
             "quantities must be a configuration name or a list of quantity names, "
             f"got {type(quantities).__name__}"
         )
-    unknown = sorted(chosen - set(QUANTITY_NAMES))
+    known = names()
+    unknown = sorted(chosen - set(known))
     if unknown:
-        raise ValueError(did_you_mean(unknown[0], [*CONFIGURATIONS, *QUANTITY_NAMES],
+        raise ValueError(did_you_mean(unknown[0], [*CONFIGURATIONS, *known],
                                       "quantity", known_as="valid configurations and names",
-                                      shown=len(CONFIGURATIONS) + len(QUANTITY_NAMES)))
+                                      shown=len(CONFIGURATIONS) + len(known)))
     if not chosen:
         raise ValueError(f"no quantity chosen; {_valid_names_text()}")
-    return tuple(name for name in QUANTITY_NAMES if name in chosen)
+    return tuple(name for name in known if name in chosen)
