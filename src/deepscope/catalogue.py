@@ -60,13 +60,14 @@ class QuantitySpec:
 @dataclass(frozen=True)
 class PanelSpec:
     """One GUI Instruments panel: title, section, the quantities drawn on a right axis,
-    markers instead of lines, and height in pixels."""
+    markers instead of lines, height in pixels, and whether the run's KPIs join it."""
 
     title: str
     section: str
     right: tuple[str, ...] = ()
     markers: bool = False
     height: int = 240
+    kpis: bool = False
 
 
 # The GUI Instruments panels in display order; a quantity names its panel.
@@ -81,7 +82,7 @@ PANELS: dict[str, PanelSpec] = {
     "hessmaxev": PanelSpec("Hessian max eigenvalue", "Curvature"),
     "hesstrace": PanelSpec("Hessian trace", "Curvature"),
     "tic": PanelSpec("Takeuchi information criterion", "Curvature", height=360),
-    "performance": PanelSpec("Loss and KPIs", "Performance", height=360),
+    "performance": PanelSpec("Loss and KPIs", "Performance", height=360, kpis=True),
 }
 
 _L = frozenset({"loss"})
