@@ -47,11 +47,13 @@ class Series:
 
 @dataclass(frozen=True)
 class HistogramAt:
-    """A stored histogram (whole model) at one step: counts and their metadata."""
+    """A stored histogram (whole model) at one step: counts, their metadata and the bin
+    edges per axis (2-D: θ axis first), as `deepscope.query.histogram.Histogram` decodes."""
 
     step: int
     counts: np.ndarray
     meta: dict[str, Any]
+    edges: tuple[np.ndarray, ...] = ()
 
 
 class DashboardData:
@@ -85,12 +87,11 @@ class DashboardData:
         histograms = {}
         for name in HISTOGRAMS:
             rows = quantities[(quantities["name"] == name) & (quantities["layer"] == "")]
-            # a histogram row without edges is a missing value (its meta says why)
-            stored = rows[[("edges" in m) for m in rows["meta"]]]
-            if len(stored):
-                at = int(stored["step"].iloc[-1])
-                counts, meta = run.histogram(name, at)
-                histograms[name] = HistogramAt(at, counts, meta)
+            for at in reversed(rows["step"].tolist()):  # the latest one with counts
+                hist = run.histogram(name, int(at), missing_ok=True)
+                if not hist.missing:
+                    histograms[name] = HistogramAt(int(at), hist.counts, hist.meta, hist.edges)
+                    break
         return cls(run.name, quantities, kpis, histograms, _declared(run))
 
     # -- queries -------------------------------------------------------------------------

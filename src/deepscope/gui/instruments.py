@@ -116,17 +116,13 @@ def _histogram_panel(rd: RunData, panel: Panel, layer: str) -> Figure:
     found, outside = [], 0
     with rd.reading() as run:
         for step in steps:
-            try:
-                counts, meta = run.histogram("GradHist1d", int(step), used)
-            except KeyError:  # recorded as missing at this step (the reason is in its meta)
+            hist = run.histogram("GradHist1d", int(step), used, missing_ok=True)
+            if hist.missing:  # recorded as missing at this step (the reason is in its meta)
                 continue
-            lo, hi, bins = meta["edges"]
-            if counts.size != bins:
-                raise ValueError(f"GradHist1d at step {step}: {counts.size} counts for "
-                                 f"{bins} bins")
-            found.append((int(step), float(lo), float(hi), counts.astype(float)))
-            outside += sum(int(meta.get(k, 0) or 0)
-                           for k in ("underflow", "overflow", "nan", "posinf", "neginf"))
+            (edges,) = hist.edges  # (the reader checked the counts against the edges)
+            found.append((int(step), float(edges[0]), float(edges[-1]),
+                          hist.counts.astype(float)))
+            outside += hist.outside
     if not found:
         return message_figure("GradHist1d: recorded, but no histogram was computed",
                               panel.title, height=240)
