@@ -169,7 +169,7 @@ def section_warnings(rd: RunData) -> list[list[str]]:
 def layer_options(rd: RunData) -> list[dict[str, str]]:
     """Whole model plus every layer any per-layer quantity recorded."""
     layers: set[str] = set()
-    for name in PER_LAYER:
+    for name in catalogue.per_layer():
         layers.update(rd.quantities(name)["layer"])
     layers.discard("")
     return [{"label": "whole model", "value": ""}] + [{"label": x, "value": x}

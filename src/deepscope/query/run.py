@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..catalogue import QUANTITY_NAMES
+from .. import catalogue
 from ..errors import CorruptRunError
 from ..store.layout import check_links, rank_files
 from ..store.reader import StoreReader
@@ -307,12 +307,12 @@ class Run:
         the key, and last `meta`: the row's metadata as one dict, kept for code written when
         it was the only metadata column.
 
-        A quantity of `QUANTITY_NAMES` that was not tracked gives an empty table; another
+        A quantity of the catalogue that was not tracked gives an empty table; another
         name, or a layer no quantity was recorded for, raises KeyError with did-you-mean.
         """
         if name is not None:
             self._check("quantity", name, "SELECT DISTINCT name FROM quantities", rank,
-                        also=QUANTITY_NAMES)
+                        also=catalogue.names())
         if layer:
             self._check("layer", layer, "SELECT DISTINCT layer FROM quantities WHERE layer != ''",
                         rank)
