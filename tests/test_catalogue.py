@@ -17,6 +17,7 @@ from deepscope import catalogue
 from deepscope.catalogue import QuantitySpec
 from deepscope.cli.main import main as cli
 from deepscope.dashboard.data import DashboardData
+from deepscope.dashboard.figure import plot_dashboard
 from deepscope.gui.data import ProjectData
 from deepscope.gui.instruments import layer_options, panels, render_panel
 from deepscope.instruments import suite
@@ -32,7 +33,7 @@ def param_norm():
     """ParamNorm ‖θ‖ (per layer and whole model) at the end of the step, added the way a
     contributor adds one: a catalogue entry and a compute function; removed afterwards."""
     catalogue.register(QuantitySpec("ParamNorm", needs=frozenset(), per_layer=True,
-                                    panel="gradnorm"))
+                                    panel="gradnorm", dashboard="gradnorm"))
 
     @suite.computes("ParamNorm")
     def _param_norm(inst, name, state, batch, update):
@@ -71,9 +72,13 @@ def test_a_registered_quantity_reaches_the_run_gui_dashboard_and_export(param_no
         stored[stored["layer"] == "l1.weight"]["value"].tolist())
     assert {"label": "l1.weight", "value": "l1.weight"} in layer_options(rd)
 
-    data = DashboardData.load(run)  # the static dashboard's data
+    data = DashboardData.load(run)  # the static dashboard: its data and its figure
     assert data.tracked(param_norm)
     assert data.series(param_norm).values.tolist() == total.tolist()
+    figure = plot_dashboard(run)
+    (axes,) = [ax for ax in figure.axes if ax.get_title().startswith("Gradient norm")]
+    legend = [t.get_text().split(":")[0] for t in axes.get_legend().get_texts()]
+    assert legend == ["GradNorm", param_norm]
 
     assert cli(["export", str(tmp_path / "r"), "--tensorboard", str(tmp_path / "tb")]) == 0
     events = EventAccumulator(str(tmp_path / "tb" / "r"))

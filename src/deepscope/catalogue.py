@@ -35,6 +35,10 @@ class QuantitySpec:
     per_layer: the GUI offers it per layer (layer choice, Graph tab colouring).
     level: the smallest configuration holding it ("economy", "business", "full"), or None.
     panel: the key of its GUI Instruments panel (`PANELS`), or None (not drawn there).
+    dashboard: the key of its panel in the static (Cockpit-layout) dashboard
+        (`DASHBOARD_PANELS`), or None (not drawn there).
+    histogram: 0 for a scalar value; 1 or 2 for a 1-D or 2-D histogram stored as counts
+        (read with `Run.histogram`; 1-D ones are exported as TensorBoard histograms).
     cockpit: the name of Cockpit's quantity class (default: `name`).
     """
 
@@ -43,6 +47,8 @@ class QuantitySpec:
     per_layer: bool = False
     level: str | None = None
     panel: str | None = None
+    dashboard: str | None = None
+    histogram: int = 0
     cockpit: str = ""
 
     def __post_init__(self) -> None:
@@ -53,6 +59,11 @@ class QuantitySpec:
             raise ValueError(f"{self.name}: level must be one of {LEVELS} or None")
         if self.panel is not None and self.panel not in PANELS:
             raise ValueError(f"{self.name}: panel must be one of {', '.join(PANELS)} or None")
+        if self.dashboard is not None and self.dashboard not in DASHBOARD_PANELS:
+            raise ValueError(f"{self.name}: dashboard must be one of "
+                             f"{', '.join(DASHBOARD_PANELS)} or None")
+        if self.histogram not in (0, 1, 2):
+            raise ValueError(f"{self.name}: histogram must be 0 (scalar), 1 or 2 (dimensions)")
         if not self.cockpit:
             object.__setattr__(self, "cockpit", self.name)
 
@@ -85,27 +96,38 @@ PANELS: dict[str, PanelSpec] = {
     "performance": PanelSpec("Loss and KPIs", "Performance", height=360, kpis=True),
 }
 
+# The static dashboard's instrument panels (Cockpit's fixed layout; dashboard/figure.py
+# draws them, the quantities naming each decide what they show).
+DASHBOARD_PANELS = ("alpha", "distance", "gradnorm", "tests", "hist1d", "hist2d", "hessmaxev",
+                    "hesstrace", "tic")
+
 _L = frozenset({"loss"})
 _E = frozenset({"loss", "engine"})
 _D = frozenset({"loss", "engine", "diagonal", "hessian"})
 # Every built-in quantity, in the order the suite reports them.
 _BUILT_IN: tuple[QuantitySpec, ...] = (
     QuantitySpec("Loss", _L, level="economy", panel="performance"),
-    QuantitySpec("GradNorm", _E, per_layer=True, level="economy", panel="gradnorm"),
-    QuantitySpec("Distance", frozenset(), per_layer=True, level="economy", panel="distance"),
+    QuantitySpec("GradNorm", _E, per_layer=True, level="economy", panel="gradnorm",
+                 dashboard="gradnorm"),
+    QuantitySpec("Distance", frozenset(), per_layer=True, level="economy", panel="distance",
+                 dashboard="distance"),
     QuantitySpec("UpdateSize", frozenset({"snapshot"}), per_layer=True, level="economy",
-                 panel="distance"),
-    QuantitySpec("NormTest", _E, level="economy", panel="tests"),
-    QuantitySpec("InnerTest", _E, level="economy", panel="tests"),
-    QuantitySpec("OrthoTest", _E, level="economy", panel="tests"),
-    QuantitySpec("GradHist1d", _E, level="economy", panel="hist1d"),
-    QuantitySpec("GradHist2d", _E | {"snapshot"}, level="full"),
-    QuantitySpec("Alpha", _E | {"snapshot"}, level="economy", panel="alpha"),
+                 panel="distance", dashboard="distance"),
+    QuantitySpec("NormTest", _E, level="economy", panel="tests", dashboard="tests"),
+    QuantitySpec("InnerTest", _E, level="economy", panel="tests", dashboard="tests"),
+    QuantitySpec("OrthoTest", _E, level="economy", panel="tests", dashboard="tests"),
+    QuantitySpec("GradHist1d", _E, level="economy", panel="hist1d", dashboard="hist1d",
+                 histogram=1),
+    QuantitySpec("GradHist2d", _E | {"snapshot"}, level="full", dashboard="hist2d",
+                 histogram=2),
+    QuantitySpec("Alpha", _E | {"snapshot"}, level="economy", panel="alpha",
+                 dashboard="alpha"),
     QuantitySpec("HessTrace", frozenset({"loss", "diagonal", "hessian"}), per_layer=True,
-                 level="business", panel="hesstrace"),
-    QuantitySpec("TICDiag", _D, per_layer=True, level="business", panel="tic"),
-    QuantitySpec("TICTrace", _D, panel="tic"),
-    QuantitySpec("HessMaxEV", frozenset({"loss", "hessian"}), level="full", panel="hessmaxev"),
+                 level="business", panel="hesstrace", dashboard="hesstrace"),
+    QuantitySpec("TICDiag", _D, per_layer=True, level="business", panel="tic", dashboard="tic"),
+    QuantitySpec("TICTrace", _D, panel="tic", dashboard="tic"),
+    QuantitySpec("HessMaxEV", frozenset({"loss", "hessian"}), level="full", panel="hessmaxev",
+                 dashboard="hessmaxev"),
     QuantitySpec("MeanGSNR", _E, panel="snr"),
     QuantitySpec("CABS", _E, panel="snr"),
     QuantitySpec("EarlyStopping", _E, panel="snr"),
@@ -161,6 +183,17 @@ def per_layer() -> tuple[str, ...]:
 def panel_quantities(key: str) -> tuple[str, ...]:
     """The quantities drawn in GUI panel `key`, in report order."""
     return tuple(q.name for q in _SPECS.values() if q.panel == key)
+
+
+def dashboard_quantities(key: str) -> tuple[str, ...]:
+    """The quantities drawn in static-dashboard panel `key`, in report order."""
+    return tuple(q.name for q in _SPECS.values() if q.dashboard == key)
+
+
+def histograms(dims: int | None = None) -> tuple[str, ...]:
+    """The quantities stored as histograms (of `dims` dimensions; None: any)."""
+    return tuple(q.name for q in _SPECS.values()
+                 if q.histogram and (dims is None or q.histogram == dims))
 
 
 def _configuration(level: str) -> frozenset[str]:

@@ -14,11 +14,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..catalogue import resolve_quantities
+from .. import catalogue
 from ..query import Project, Run
 from ..store.layout import is_run_dir
-
-HISTOGRAMS = ("GradHist1d", "GradHist2d")
 
 
 @dataclass(frozen=True)
@@ -84,15 +82,15 @@ class DashboardData:
         if step is not None:
             quantities = quantities[quantities["step"] <= step]
             kpis = kpis[kpis["step"] <= step]
-        histograms = {}
-        for name in HISTOGRAMS:
+        stored = {}
+        for name in catalogue.histograms():
             rows = quantities[(quantities["name"] == name) & (quantities["layer"] == "")]
             for at in reversed(rows["step"].tolist()):  # the latest one with counts
                 hist = run.histogram(name, int(at), missing_ok=True)
                 if not hist.missing:
-                    histograms[name] = HistogramAt(int(at), hist.counts, hist.meta, hist.edges)
+                    stored[name] = HistogramAt(int(at), hist.counts, hist.meta, hist.edges)
                     break
-        return cls(run.name, quantities, kpis, histograms, _declared(run))
+        return cls(run.name, quantities, kpis, stored, _declared(run))
 
     # -- queries -------------------------------------------------------------------------
     def tracked(self, name: str) -> bool:
@@ -153,6 +151,6 @@ def _declared(run: Run) -> frozenset[str]:
     if not spec:
         return frozenset()
     try:
-        return frozenset(resolve_quantities(spec))
+        return frozenset(catalogue.resolve_quantities(spec))
     except (TypeError, ValueError):  # written by another version: fall back to the values
         return frozenset()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import catalogue
 from ..query.run import Run
 
 # Tensor statistics exported as scalars (all of them would swamp TensorBoard's scalar page).
@@ -16,8 +17,9 @@ def export_tensorboard(run: Run, log_dir: str | Path) -> Path:
     """Write `run` into `log_dir/<run name>` as TensorBoard events; returns that folder.
 
     Tags: kpi/<name>, quantity/<name>[/<layer>], <tensor>/<direction>/<statistic>, and
-    histograms hist/<name>[/<layer>] for GradHist1d (raw bins; out-of-range and non-finite
-    counts are exported as scalars beside them, as TensorBoard cannot show them).
+    histograms hist/<name>[/<layer>] for the catalogue's 1-D histograms (GradHist1d; raw
+    bins; out-of-range and non-finite counts are exported as scalars beside them, as
+    TensorBoard cannot show them).
     """
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -40,7 +42,7 @@ def export_tensorboard(run: Run, log_dir: str | Path) -> Path:
                 value = getattr(row, stat)
                 if not np.isnan(value):
                     writer.add_scalar(f"{row.tensor}/{row.direction}/{stat}", value, row.step)
-        hists = quantities[quantities["name"] == "GradHist1d"]
+        hists = quantities[quantities["name"].isin(catalogue.histograms(dims=1))]
         for row in hists.itertuples():
             _add_histogram(writer, run, row.name, row.layer, row.step)
     finally:
