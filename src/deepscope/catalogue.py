@@ -40,6 +40,8 @@ class QuantitySpec:
     histogram: 0 for a scalar value; 1 or 2 for a 1-D or 2-D histogram stored as counts
         (read with `Run.histogram`; 1-D ones are exported as TensorBoard histograms).
     cockpit: the name of Cockpit's quantity class (default: `name`).
+    cockpit_per_parameter: Cockpit's `get_output()` gives it as a list, one value per
+        parameter tensor (else the whole-model value).
     """
 
     name: str
@@ -50,6 +52,7 @@ class QuantitySpec:
     dashboard: str | None = None
     histogram: int = 0
     cockpit: str = ""
+    cockpit_per_parameter: bool = False
 
     def __post_init__(self) -> None:
         unknown = set(self.needs) - set(NEEDS)
@@ -108,11 +111,11 @@ _D = frozenset({"loss", "engine", "diagonal", "hessian"})
 _BUILT_IN: tuple[QuantitySpec, ...] = (
     QuantitySpec("Loss", _L, level="economy", panel="performance"),
     QuantitySpec("GradNorm", _E, per_layer=True, level="economy", panel="gradnorm",
-                 dashboard="gradnorm"),
+                 dashboard="gradnorm", cockpit_per_parameter=True),
     QuantitySpec("Distance", frozenset(), per_layer=True, level="economy", panel="distance",
-                 dashboard="distance"),
+                 dashboard="distance", cockpit_per_parameter=True),
     QuantitySpec("UpdateSize", frozenset({"snapshot"}), per_layer=True, level="economy",
-                 panel="distance", dashboard="distance"),
+                 panel="distance", dashboard="distance", cockpit_per_parameter=True),
     QuantitySpec("NormTest", _E, level="economy", panel="tests", dashboard="tests"),
     QuantitySpec("InnerTest", _E, level="economy", panel="tests", dashboard="tests"),
     QuantitySpec("OrthoTest", _E, level="economy", panel="tests", dashboard="tests"),
@@ -123,6 +126,7 @@ _BUILT_IN: tuple[QuantitySpec, ...] = (
     QuantitySpec("Alpha", _E | {"snapshot"}, level="economy", panel="alpha",
                  dashboard="alpha"),
     QuantitySpec("HessTrace", frozenset({"loss", "diagonal", "hessian"}), per_layer=True,
+                 cockpit_per_parameter=True,
                  level="business", panel="hesstrace", dashboard="hesstrace"),
     QuantitySpec("TICDiag", _D, per_layer=True, level="business", panel="tic", dashboard="tic"),
     QuantitySpec("TICTrace", _D, panel="tic", dashboard="tic"),
@@ -194,6 +198,16 @@ def histograms(dims: int | None = None) -> tuple[str, ...]:
     """The quantities stored as histograms (of `dims` dimensions; None: any)."""
     return tuple(q.name for q in _SPECS.values()
                  if q.histogram and (dims is None or q.histogram == dims))
+
+
+def by_cockpit(cockpit: str) -> str | None:
+    """The name of the quantity Cockpit calls `cockpit` (its class name), if there is one."""
+    return next((q.name for q in _SPECS.values() if q.cockpit == cockpit), None)
+
+
+def cockpit_per_parameter() -> frozenset[str]:
+    """The quantities Cockpit reports as one value per parameter tensor."""
+    return frozenset(q.name for q in _SPECS.values() if q.cockpit_per_parameter)
 
 
 def _configuration(level: str) -> frozenset[str]:

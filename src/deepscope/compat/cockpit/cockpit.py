@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ... import catalogue
 from ...hookstate import hooks_paused
 from ...instruments.base import TOTAL, QuantityValue
 from ...instruments.suite import is_plain_sgd
@@ -49,8 +50,8 @@ from .quantities import Quantity
 log = logging.getLogger("deepscope")
 
 # Cockpit reports these per parameter tensor (a list in `params` order), the rest in total.
-PER_PARAMETER = frozenset({"GradNorm", "Distance", "UpdateSize", "HessTrace"})
-HISTOGRAMS = frozenset({"GradHist1d", "GradHist2d"})
+PER_PARAMETER = catalogue.cockpit_per_parameter()
+HISTOGRAMS = frozenset(catalogue.histograms())
 SGD_ONLY = frozenset({"CABS", "EarlyStopping"})  # Cockpit refuses other optimisers
 LOG_KPIS = ("train_loss", "valid_loss", "test_loss", "train_accuracy", "valid_accuracy",
             "test_accuracy", "learning_rate")
