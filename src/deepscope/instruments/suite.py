@@ -452,48 +452,6 @@ class Instruments:
         alpha.want_dots(batch, state.alpha_end, dict(zip(self._names, update)) if starts else None,
                         float(state.update_sizes[-1]) if starts else 0.0)
 
-    def _gradient_values(
-        self, name: str, state: StepState, batch: Batch
-    ) -> list[QuantityValue]:
-        """Quantities from per-sample gradient statistics, per layer and in total."""
-        B = batch.size
-        if name in ("NormTest", "InnerTest", "OrthoTest", "CABS", "EarlyStopping") and B < 2:
-            raise ValueError(f"{name} needs a batch of at least 2 samples, got {B}")
-        meta: dict[str, Any] = {}
-        undefined, reason = None, ""
-        if name in ("NormTest", "InnerTest", "OrthoTest", "CABS"):
-            N = with_total(batch.grad_sq_norms)
-            undefined, reason = N == 0, "the mean gradient ḡ is exactly zero"
-        if name == "GradNorm":
-            value = with_total(batch.grad_sq_norms).sqrt()
-        elif name == "NormTest":
-            value = norm_test(with_total(batch.sq_norm_sums), N, B)
-        elif name == "InnerTest":
-            value = inner_test(with_total(batch.dots_with_mean), N, B)
-        elif name == "OrthoTest":
-            value = ortho_test(with_total(batch.sq_norm_sums), with_total(batch.dots_with_mean),
-                               N, B)
-        elif name == "MeanGSNR":
-            value = mean_gsnr(batch.grad_mean, batch.second_moment_sums, B)
-        elif name == "EarlyStopping":
-            value = early_stopping(batch.grad_mean, batch.second_moment_sums, B)
-            meta = self._sgd_note(name)
-        elif name == "CABS":
-            value, meta = self._cabs(with_total(batch.sq_norm_sums), N, B, state.loss)
-            if state.loss == 0:
-                undefined, reason = torch.ones_like(N, dtype=torch.bool), "the loss is zero"
-        else:  # TICDiag, TICTrace
-            if "diagonal" not in state.curvature:
-                raise RuntimeError("the Hessian diagonal was not computed at this step")
-            moments = [m / B for m in batch.second_moment_sums]
-            meta = state.curvature["diagonal_meta"]
-            value = (tic_diag(moments, state.curvature["diagonal"]) if name == "TICDiag"
-                     else tic_trace(moments, state.curvature["traces"]))
-        # read after computing: the engine finds parameters without per-sample gradients then;
-        # ḡ needs none (GradNorm): only parameters whose delivered gradient is unusable too
-        missing = batch.engine.unavailable_sum if name == "GradNorm" else batch.unavailable()
-        return rows(name, state.step, self._names, value, meta, undefined, reason, dict(missing))
-
     def _cabs(
         self, S: Tensor, N: Tensor, B: int, loss: Tensor
     ) -> tuple[Tensor, dict[str, Any]]:
@@ -522,7 +480,7 @@ class Instruments:
 
 @computes("Loss")
 def _loss(inst: Instruments, name: str, state: StepState, batch: Batch | None,
-          update: list[Tensor] | None) -> list[QuantityValue]:
+               update: list[Tensor] | None) -> list[QuantityValue]:
     meta: dict[str, Any] = {"reduction": state.reduction}
     if len(state.counts) > 1:
         meta["micro_batches"] = len(state.counts)
@@ -577,8 +535,84 @@ def _histogram(inst: Instruments, name: str, state: StepState, batch: Batch | No
                             batch.unavailable())
 
 
-@computes("GradNorm", "NormTest", "InnerTest", "OrthoTest", "MeanGSNR", "EarlyStopping", "CABS",
-          "TICDiag", "TICTrace")
-def _from_gradients(inst: Instruments, name: str, state: StepState, batch: Batch | None,
+def _engine_rows(inst: Instruments, name: str, state: StepState, batch: Batch, value: Tensor,
+                 meta: dict[str, Any] | None = None, undefined: Tensor | None = None,
+                 reason: str = "") -> list[QuantityValue]:
+    """Rows of a quantity from per-sample gradient statistics, per layer and in total; the
+    parameters without usable per-sample gradients are read after computing `value` (the
+    engine finds them then)."""
+    return rows(name, state.step, inst._names, value, meta or {}, undefined, reason,
+                dict(batch.unavailable()))
+
+
+def _batch_size(name: str, batch: Batch, least: int = 2) -> int:
+    if batch.size < least:
+        raise ValueError(f"{name} needs a batch of at least {least} samples, got {batch.size}")
+    return batch.size
+
+
+ZERO_MEAN = "the mean gradient ḡ is exactly zero"
+
+
+@computes("GradNorm")
+def _grad_norm(inst: Instruments, name: str, state: StepState, batch: Batch | None,
+               update: list[Tensor] | None) -> list[QuantityValue]:
+    value = with_total(batch.grad_sq_norms).sqrt()
+    # ḡ needs no per-sample gradients: only parameters whose delivered gradient is unusable
+    return rows(name, state.step, inst._names, value, {}, None, "",
+                dict(batch.engine.unavailable_sum))
+
+
+# The gradient tests from (the statistics, N = ‖ḡ‖² per layer and total, B)
+_TESTS: dict[str, Callable[[Batch, Tensor, int], Tensor]] = {
+    "NormTest": lambda b, N, B: norm_test(with_total(b.sq_norm_sums), N, B),
+    "InnerTest": lambda b, N, B: inner_test(with_total(b.dots_with_mean), N, B),
+    "OrthoTest": lambda b, N, B: ortho_test(with_total(b.sq_norm_sums),
+                                            with_total(b.dots_with_mean), N, B),
+}
+
+
+@computes(*_TESTS)
+def _gradient_test(inst: Instruments, name: str, state: StepState, batch: Batch | None,
+                   update: list[Tensor] | None) -> list[QuantityValue]:
+    B, N = _batch_size(name, batch), with_total(batch.grad_sq_norms)
+    return _engine_rows(inst, name, state, batch, _TESTS[name](batch, N, B),
+                        undefined=N == 0, reason=ZERO_MEAN)
+
+
+@computes("MeanGSNR")
+def _mean_gsnr(inst: Instruments, name: str, state: StepState, batch: Batch | None,
+               update: list[Tensor] | None) -> list[QuantityValue]:
+    value = mean_gsnr(batch.grad_mean, batch.second_moment_sums, batch.size)
+    return _engine_rows(inst, name, state, batch, value)
+
+
+@computes("EarlyStopping")
+def _early_stopping(inst: Instruments, name: str, state: StepState, batch: Batch | None,
                     update: list[Tensor] | None) -> list[QuantityValue]:
-    return inst._gradient_values(name, state, batch)
+    B = _batch_size(name, batch)
+    value = early_stopping(batch.grad_mean, batch.second_moment_sums, B)
+    return _engine_rows(inst, name, state, batch, value, inst._sgd_note(name))
+
+
+@computes("CABS")
+def _cabs_rows(inst: Instruments, name: str, state: StepState, batch: Batch | None,
+               update: list[Tensor] | None) -> list[QuantityValue]:
+    B, N = _batch_size(name, batch), with_total(batch.grad_sq_norms)
+    value, meta = inst._cabs(with_total(batch.sq_norm_sums), N, B, state.loss)
+    if state.loss == 0:
+        undefined, reason = torch.ones_like(N, dtype=torch.bool), "the loss is zero"
+    else:
+        undefined, reason = N == 0, ZERO_MEAN
+    return _engine_rows(inst, name, state, batch, value, meta, undefined, reason)
+
+
+@computes("TICDiag", "TICTrace")
+def _tic(inst: Instruments, name: str, state: StepState, batch: Batch | None,
+         update: list[Tensor] | None) -> list[QuantityValue]:
+    if "diagonal" not in state.curvature:
+        raise RuntimeError("the Hessian diagonal was not computed at this step")
+    moments = [m / batch.size for m in batch.second_moment_sums]
+    value = (tic_diag(moments, state.curvature["diagonal"]) if name == "TICDiag"
+             else tic_trace(moments, state.curvature["traces"]))
+    return _engine_rows(inst, name, state, batch, value, state.curvature["diagonal_meta"])
