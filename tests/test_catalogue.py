@@ -19,7 +19,7 @@ from deepscope.cli.main import main as cli
 from deepscope.dashboard.data import DashboardData
 from deepscope.dashboard.figure import plot_dashboard
 from deepscope.gui.data import ProjectData
-from deepscope.gui.instruments import layer_options, panels, render_panel
+from deepscope.gui.tabs.instruments import layer_options, panels, render_panel
 from deepscope.instruments import suite
 from deepscope.instruments.quantities import layer_norms
 from deepscope.instruments.step import rows

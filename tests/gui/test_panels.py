@@ -12,10 +12,10 @@ import torch
 import deepscope
 from deepscope.gui import graph_view, panels
 from deepscope.gui.data import ProjectData
-from deepscope.gui.explorer import node_colouring
 from deepscope.gui.figures import decimate, ema
-from deepscope.gui.instruments import PANELS, layer_options, render_panel, section_warnings
 from deepscope.gui.selection import Request, resolve
+from deepscope.gui.tabs.graph import node_colouring
+from deepscope.gui.tabs.instruments import PANELS, layer_options, render_panel, section_warnings
 from deepscope.instruments.base import QuantityValue
 
 from .conftest import STEPS, WARNING

@@ -59,7 +59,7 @@ import torch
 from torch import Tensor, nn
 
 from ..hookstate import hooks_paused
-from ..naming import named_leaves
+from ..naming import ModelNames, named_leaves
 from .detectors import Detector, StepContext, default_detectors
 from .findings import Finding, StopTraining
 from .trace import CallRecord, ModelMap, Slots, Stat, StepRecord, TensorRecord, Tracer
@@ -82,9 +82,10 @@ class HealthMonitor:
     """Checks every step for non-finite values, traces the first one, runs the detectors.
 
     model: the module to watch (forward hooks on its submodules, tensor hooks on their
-    outputs during a step; removed by `close`). prefix / root_name: names as the recorder
-    gives them (`scope.watch(model, name=prefix)`): children `prefix.path` (or `path`), the
-    root `prefix` (or `root_name`).
+    outputs during a step; removed by `close`). names: the recorded names of its modules and
+    parameters (`scope.watch` passes its own); by default those of
+    `ModelNames.of(model, prefix, root_name)`: children `prefix.path` (or `path`), the root
+    `prefix` (or `root_name`).
     record_next: how many following steps the recorder should record in full after an acute
     finding (`nonfinite`, `exploding_gradient`, `loss_spike`). detectors: default
     `default_detectors()`; [] for the health check alone. detector_every: run the detectors on
@@ -104,6 +105,7 @@ class HealthMonitor:
     """
 
     def __init__(self, model: nn.Module, *, prefix: str = "", root_name: str = "model",
+                 names: ModelNames | None = None,
                  record_next: int = 3, detectors: Sequence[Detector] | None = None,
                  detector_every: int = 10, on_anomaly: Callable[[Finding], None] | None = None,
                  trace: bool = True, defer: bool | None = None, grad_every: int = 1) -> None:
@@ -122,7 +124,7 @@ class HealthMonitor:
         self.record_next = record_next
         self.detector_every = detector_every
         self.on_anomaly = on_anomaly
-        self.model = _map_model(model, prefix, root_name)
+        self.model = _map_model(model, names or ModelNames.of(model, prefix, root_name))
         self._tracer = Tracer(self.model, self._grad_is_finite)
         self._acute = frozenset({"nonfinite"}).union(*(d.acute for d in self.detectors))
         self._params = {name: p for name, p, _ in self.model.params}
@@ -609,7 +611,7 @@ class HealthMonitor:
             raise ValueError(f"monitor.{call}(...) after close(); create a new HealthMonitor")
 
 
-def _map_model(model: nn.Module, prefix: str, root_name: str) -> ModelMap:
+def _map_model(model: nn.Module, names: ModelNames) -> ModelMap:
     """Module and parameter names exactly as the recorder names activations and parameters."""
     paths: list[str] = []
     types: list[str] = []
@@ -618,12 +620,11 @@ def _map_model(model: nn.Module, prefix: str, root_name: str) -> ModelMap:
     index: dict[str, int] = {}
     for mpath, module in model.named_modules():
         index[mpath] = len(paths)
-        paths.append((f"{prefix}.{mpath}" if prefix else mpath) if mpath else
-                     (prefix or root_name))
+        paths.append(names.module(mpath))
         types.append(type(module).__name__)
         modules.append(module)
         parents.append(index[mpath.rpartition(".")[0]] if mpath else None)
-    params = [(f"{prefix}.{name}" if prefix else name, p, index[name.rpartition(".")[0]])
+    params = [(names.param(name), p, index[name.rpartition(".")[0]])
               for name, p in model.named_parameters() if p.requires_grad]
     return ModelMap(paths, types, modules, parents, params)
 

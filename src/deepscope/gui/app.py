@@ -5,13 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import dash
-from dash import Input, Output, html
+from dash import html
 
-from . import diagnosis, explorer, instruments, overview
+from . import ids, poll
 from .data import ProjectData
 from .layout import empty_page, page
+from .tabs import Tab, compare, diagnosis, graph, instruments, kpis, notes
 
 ASSETS = Path(__file__).with_name("assets")
+# The tabs, in the order shown; the first is open on load.
+TABS: tuple[Tab, ...] = (graph.TAB, instruments.TAB, kpis.TAB, compare.TAB, notes.TAB,
+                         diagnosis.TAB)
 
 
 def create_app(project_path: str | Path) -> dash.Dash:
@@ -34,20 +38,12 @@ def create_app(project_path: str | Path) -> dash.Dash:
         runs = project.runs()
         if not runs:
             return empty_page(label, f"No runs in {label} yet.")
-        return page(label, runs)
+        return page(label, runs, TABS)
 
     app.layout = layout
     # Callbacks refer to components of both pages; validate them against both.
-    app.validation_layout = html.Div([page(label, ["run"]), empty_page(label, "")])
-    explorer.register(app, project)
-    instruments.register(app, project)
-    overview.register(app, project)
-    diagnosis.register(app, project)
-
-    @app.callback(Output("location", "href"), Input("empty-poll", "n_intervals"))
-    def _open_when_runs_appear(_n: int | None) -> str:
-        if not project.runs():
-            raise dash.exceptions.PreventUpdate
-        return "/"
-
+    app.validation_layout = html.Div([page(label, ["run"], TABS), empty_page(label, "")])
+    poll.register(app, project, (ids.RUN, *(i for t in TABS for i in t.run_lists)))
+    for tab in TABS:
+        tab.register(app, project)
     return app

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from ..hookstate import hooks_paused
+from ..naming import ModelNames
 from .rules import GenericRule, rule_for
 from .rules.base import (
     Budget,
@@ -135,9 +136,11 @@ class PerSampleEngine:
     cache_bytes: per-sample gradients up to this many bytes (all modules together, and at
                  most the largest module's) are kept for reuse within a step; beyond it they
                  are recomputed when needed.
+    names:       the recorded names of the model's modules and parameters (`scope.watch`'s);
+                 default: those of `named_parameters()` / `named_modules()` as they are.
 
-    Parameter names are those of `model.named_parameters()` (a shared parameter once,
-    under its first name); only parameters with requires_grad count. Results are in each
+    Parameter names are those of `names` for `model.named_parameters()` (a shared parameter
+    once, under its first name); only parameters with requires_grad count. Results are in each
     parameter's dtype and device. Parameters whose per-sample gradients cannot be
     obtained this step are NaN, listed in `unavailable` with the reason, and explained
     once in `warnings`.
@@ -146,7 +149,8 @@ class PerSampleEngine:
     them form one batch, in registration order (k micro-batches of B: k·B samples).
     """
 
-    def __init__(self, model: nn.Module, chunk_size: int = 32, *, cache_bytes: int = 2**28) -> None:
+    def __init__(self, model: nn.Module, chunk_size: int = 32, *, cache_bytes: int = 2**28,
+                 names: ModelNames | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -159,7 +163,9 @@ class PerSampleEngine:
         self.warnings: list[str] = []
         self.unavailable: dict[str, str] = {}
         self._warned: set[str] = set()
-        self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self._names = names or ModelNames.of(model, root_name="<model>")
+        self._params = {self._names.param(n): p for n, p in model.named_parameters()
+                        if p.requires_grad}
         self.param_names: list[str] = list(self._params)
         self._hooked = self._find_modules()
         # parameter name -> [(index into _hooked, module-local name)]
@@ -192,7 +198,7 @@ class PerSampleEngine:
                 covered.update(id(m) for m in module.modules() if m is not module)
             if not params:
                 continue
-            label = f"{type(module).__name__} '{module_name or '<model>'}'"
+            label = f"{type(module).__name__} '{self._names.module(module_name)}'"
             rule = rule_cls(module, params)
             reason = rule.unsupported()
             if reason is not None:

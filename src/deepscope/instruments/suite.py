@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from ..catalogue import QUANTITY_NAMES, needing, spec
+from ..naming import ModelNames
 from . import alpha
 from .alpha import AlphaStart
 from .base import InstrumentWarning, QuantityValue, describe
@@ -139,6 +140,9 @@ class Instruments:
         hist2d_per_layer: also store GradHist2d per parameter tensor (40×50 counts each).
         hist2d_bins, hist2d_range: GradHist2d bins of the (θ, gᵢ) axes and their (lo, hi)
             ranges; default 40 on (−1, 1) for θ, 50 on (−2, 2) for gᵢ.
+        names: the recorded names of the model's modules and parameters (`scope.watch`
+            passes its own): per-layer values' layers and warnings' locations carry them.
+            Default: `model.named_parameters()` / `named_modules()` names as they are.
 
     Raises:
         TypeError / ValueError: for bad arguments, in one line naming the fix; an unknown
@@ -162,6 +166,7 @@ class Instruments:
         hist2d_per_layer: bool = False,
         hist2d_bins: tuple[int, int] = HIST2D_BINS,
         hist2d_range: tuple[tuple[float, float], tuple[float, float]] = HIST2D_RANGE,
+        names: ModelNames | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -202,13 +207,15 @@ class Instruments:
             timer=_hvp_seconds, budget=diagonal_budget)
 
         self.model = model
+        names = names or ModelNames.of(model, root_name="<model>")
         self._params: dict[str, Tensor] = {
-            n: p for n, p in model.named_parameters() if p.requires_grad
+            names.param(n): p for n, p in model.named_parameters() if p.requires_grad
         }
         if not self._params:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
         self._names = list(self._params)
-        self._engine = PerSampleEngine(model) if set(self.quantities) & needing("engine") else None
+        self._engine = (PerSampleEngine(model, names=names)
+                        if set(self.quantities) & needing("engine") else None)
         self._warnings: list[str] = []
         self._new_warnings: list[InstrumentWarning] = []  # not yet taken by take_warnings()
         self._engine_warnings_taken = 0

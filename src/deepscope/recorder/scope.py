@@ -20,6 +20,7 @@ from torch import nn
 from ..anomalies.monitor import HealthMonitor
 from ..errors import DeepscopeWarning
 from ..hookstate import hooks_paused
+from ..naming import ModelNames
 from ..store import limits
 from ..store.layout import check_run_name, rank_file, rank_files
 from ..store.writer import FINISHED, INTERRUPTED, RunLock, StoreWriter
@@ -120,7 +121,6 @@ class Scope:
         self.monitor: Any = None
         self._optimizer: torch.optim.Optimizer | None = None  # its lr is logged as a KPI
         self._step_lr: float | None = None  # that lr at the start of the current step
-        self._layer_prefix = ""  # watch(name=...) of the instrumented model
         if anomalies not in (None, False, True, "check", "trace"):
             raise ValueError(f"anomalies must be 'check', 'trace' or False, not {anomalies!r}")
         self._anomalies = "check" if anomalies is True else (anomalies or None)
@@ -186,7 +186,9 @@ class Scope:
               node_depth: int | None = None) -> nn.Module:
         """Track every parameter of `model` (values and gradients) by dotted name.
 
-        name: prefix for the names (default none). activations: also record every module's
+        name: prefix for the names (default none): tensors, quantity layers, health findings
+        and instrument warnings all carry the same names ("head.weight", module "head";
+        without a name the root module is "model"). activations: also record every module's
         output by forward hooks (names from module paths; the model's own output has role
         "output"). optimizer: its learning rate (of the first parameter group, as at the start
         of each step) is logged as the KPI "learning_rate" unless the step logs one itself;
@@ -205,35 +207,30 @@ class Scope:
         compiled = model
         if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
             model = model._orig_mod
-        prefix = f"{name}." if name else ""
+        names = ModelNames.of(model, name)  # the one source of names for everything below
         for pname, p in model.named_parameters():
-            full = prefix + pname
-            parts = full.split(".")
-            module_parts = parts[:-1] or [name or "model"]
+            full = names.param(pname)
+            module_parts = names.module(pname.rpartition(".")[0]).split(".")
             if node_depth is not None:
                 module_parts = module_parts[:node_depth]
             self._params[full] = p
-            self._param_nodes[full] = (".".join(module_parts), parts[-1])
+            self._param_nodes[full] = (".".join(module_parts), full.rpartition(".")[2])
         if activations:
             for mpath, module in model.named_modules():
-                path = (prefix + mpath) if mpath else (name or "model")
-                self._module_hooks.append(
-                    module.register_forward_hook(self._activation_hook(path, not mpath)))
+                self._module_hooks.append(module.register_forward_hook(
+                    self._activation_hook(names.module(mpath), not mpath)))
         if self._anomalies and self.monitor is None:
-            self.monitor = HealthMonitor(model, prefix=name or "", root_name=name or "model",
-                                         record_next=self._record_next,
+            self.monitor = HealthMonitor(model, names=names, record_next=self._record_next,
                                          trace=self._anomalies == "trace",
                                          grad_every=CHECK_GRADS_EVERY)
         if optimizer is not None:
             self._optimizer = optimizer
         if self._instrument_spec is not None and self.instruments is None:
-            # quantity layers carry the recorded parameter names ("head.weight")
-            self._layer_prefix = prefix
             from ..instruments.suite import Instruments  # loads only for a Scope with instruments
             self.instruments = Instruments(
                 model, self._instrument_spec, schedule=self._instrument_schedule,
                 optimizer=optimizer, schedules=self._quantity_schedules, seed=self._seed,
-                **self._instrument_options)
+                names=names, **self._instrument_options)
         return compiled
 
     def note(self, text: str) -> None:
@@ -352,8 +349,6 @@ class Scope:
             quantities = self._guard(self.instruments.finish) or []
             if quantities is _FAILED:
                 quantities = []
-            for q in quantities:
-                q.layer = self._layer_prefix + q.layer if q.layer else q.layer
             self._guard(self._send_warnings, outcome.step)
         submitted = False
         if outcome.recorded and outcome.keep():

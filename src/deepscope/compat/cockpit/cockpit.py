@@ -39,6 +39,7 @@ from ... import catalogue
 from ...hookstate import hooks_paused
 from ...instruments.base import TOTAL, QuantityValue
 from ...instruments.suite import is_plain_sgd
+from ...naming import ModelNames
 from ...query.histogram import Histogram
 from ...recorder.schedule import never
 from ...recorder.scope import Scope
@@ -423,8 +424,10 @@ def _owning_model(params: list[torch.Tensor]) -> nn.Module:
 
 
 def _parameter_names(model: nn.Module, params: list[torch.Tensor]) -> list[str]:
-    """Dotted names of `params` in `model` (the layers of deepscope's per-layer values)."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    """Recorded names of `params` in `model` (the layers of deepscope's per-layer values:
+    those `scope.watch(model)` records)."""
+    recorded = ModelNames.of(model)
+    names = {id(p): recorded.param(n) for n, p in model.named_parameters()}
     missing = [tuple(p.shape) for p in params if id(p) not in names]
     if missing:
         raise ValueError(f"parameters of shapes {missing} are not in the model given; pass "

@@ -1,57 +1,41 @@
 """The Diagnosis tab: the run's likely bugs (deepscope.diagnosis), each a button to the step
 and node it names in the graph tab, then the evidence that was missing, then the health
-check's low-level findings."""
+check's low-level findings.
+
+Its value and content id are still "anomalies" (the tab's former name), kept for stable ids.
+"""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import dash
 from dash import ALL, Input, Output, ctx, html
 
-from ..diagnosis import THRESHOLD, examine
-from . import panels
-from .data import ProjectData
-from .guard import error_box, guard
-from .overview import _list_table
-
-GO = "diag-go"  # pattern-matching id type of a diagnosis row's button
-
-
-def go_id(step: int | None, where: str) -> dict[str, Any]:
-    """The id of the button that selects `where` at `step` (-1: no step) in the graph tab."""
-    return {"type": GO, "step": -1 if step is None else int(step), "where": where}
-
-
-def picked(triggered_id: Any, triggered: list[dict[str, Any]]) -> tuple[str, int | None] | None:
-    """(tensor, step) when a diagnosis button was really clicked (not just drawn)."""
-    if not (isinstance(triggered_id, dict) and triggered_id.get("type") == GO):
-        return None
-    if not any(t.get("value") for t in triggered):
-        return None
-    step = int(triggered_id["step"])
-    return str(triggered_id["where"]), (None if step < 0 else step)
+from ...diagnosis import THRESHOLD, examine
+from .. import ids, panels
+from ..data import ProjectData, RunData
+from ..widgets import list_table
+from . import run_card
 
 
 def register(app: dash.Dash, project: ProjectData) -> None:
-    @app.callback(Output("anomalies", "children"), Input("tabs", "value"),
-                  Input("run", "value"), Input("version-slow", "data"))
-    @guard(lambda msg: error_box(msg))
-    def _diagnosis(tab: str, run: str | None, _v: Any) -> Any:
-        if tab != "anomalies" or not run:
-            raise dash.exceptions.PreventUpdate
-        rd = project.run(run)
-        found, missing = rd.cached("diagnoses", lambda r: examine(r))
-        findings = rd.cached("anomalies", lambda r: r.anomalies())
-        return [*_diagnoses(run, found), *_missing(missing), *_findings(run, findings)]
+    _CARD.register(app, project)
 
-    @app.callback(Output("tabs", "value"),
-                  Input({"type": GO, "step": ALL, "where": ALL}, "n_clicks"),
+    @app.callback(Output(ids.TABS, "value"),
+                  Input({"type": ids.GO, "step": ALL, "where": ALL}, "n_clicks"),
                   prevent_initial_call=True)
     def _to_graph(_clicks: list) -> str:
-        if picked(ctx.triggered_id, ctx.triggered) is None:
+        if ids.picked(ctx.triggered_id, ctx.triggered) is None:
             raise dash.exceptions.PreventUpdate
-        return "graph"
+        return ids.GRAPH_TAB
+
+
+def _diagnosis(rd: RunData, run: str) -> list[Any]:
+    found, missing = rd.cached("diagnoses", lambda r: examine(r))
+    findings = rd.cached("anomalies", lambda r: r.anomalies())
+    return [*_diagnoses(run, found), *_missing(missing), *_findings(run, findings)]
 
 
 def _diagnoses(run: str, found: list) -> list[Any]:
@@ -63,12 +47,12 @@ def _diagnoses(run: str, found: list) -> list[Any]:
     rows = []
     for i, d in enumerate(sure, 1):
         button = html.Button(f"{d.where} · step {d.step}" if d.step is not None else d.where,
-                             id=go_id(d.step, d.where), className="node-btn diag-go",
+                             id=ids.go_id(d.step, d.where), className="node-btn diag-go",
                              title="show it in the graph tab")
         rows.append([html.Td(i), html.Td(d.code, className="diag-code"),
                      html.Td(f"{d.confidence:.2f}"), html.Td(button), html.Td(d.summary),
                      html.Td(d.fix)])
-    table = _list_table(["#", "diagnosis", "confidence", "where (click: graph)", "evidence",
+    table = list_table(["#", "diagnosis", "confidence", "where (click: graph)", "evidence",
                          "fix"], rows)
     return [head, table]
 
@@ -92,6 +76,10 @@ def _findings(run: str, found: Any) -> list[Any]:
     if found.empty:
         return [head, html.P(f"No anomalies recorded in {run}.", className="hint")]
     cols = ["step", "kind", "tensor", "detector", "value", "threshold", "message"]
-    return [head, _list_table(cols, [
+    return [head, list_table(cols, [
         [html.Td(panels.fmt(v) if isinstance(v, float) else v) for v in row]
         for row in found[cols].itertuples(index=False)])]
+
+
+_CARD = run_card("Diagnosis", "anomalies", "anomalies", _diagnosis)  # value, content div
+TAB = replace(_CARD, register=register)  # the card, and its rows' links to the graph tab

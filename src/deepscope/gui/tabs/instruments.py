@@ -14,12 +14,16 @@ import numpy as np
 import pandas as pd
 from dash import Input, Output, html
 
-from .. import catalogue
-from .axes import series_figure
-from .data import ProjectData, RunData
-from .figures import Figure, base_layout, line_trace, message_figure, note
-from .guard import error_box, figure_guard, guard
+from ... import catalogue
+from .. import ids
+from ..axes import series_figure
+from ..data import ProjectData, RunData
+from ..figures import Figure, base_layout, line_trace, message_figure, note
+from ..guard import error_box, figure_guard, guard
+from ..widgets import chart, dropdown, labelled
+from . import Tab
 
+VALUE = "instruments"
 MAX_HIST_STEPS = 300  # columns of the gradient-histogram heatmap; more steps are thinned
 MAX_HIST_BINS = 400   # rows of the common grid (the finest recorded bin width, up to this)
 
@@ -176,14 +180,33 @@ def layer_options(rd: RunData) -> list[dict[str, str]]:
                                                       for x in sorted(layers)]
 
 
+def layout(_run_options: list[dict[str, str]]) -> html.Div:
+    """The Cockpit-like dashboard: one chart per panel, grouped in sections."""
+    sections = []
+    for i, (title, keys) in enumerate(SECTIONS):
+        sections.append(html.Section([
+            html.H2(title),
+            html.Div(id=f"inst-warnings-{i}", className="inst-warnings"),  # beside the charts
+            html.Div([chart(f"inst-{k}", PANELS[k].height) for k in keys],
+                     className="panel-grid"),
+        ], className="card"))
+    return html.Div([
+        html.Div([labelled("Layer", dropdown("inst-layer", value="")),
+                  html.Span("Per-layer values where the instrument records them; "
+                            "a quantity the run did not record says 'not tracked'.",
+                            className="hint")], className="toolbar card"),
+        *sections,
+    ], className="instruments")
+
+
 def register(app: dash.Dash, project: ProjectData) -> None:
     """Callbacks of the Instruments tab; they run only while the tab is shown."""
-    inputs = [Input("tabs", "value"), Input("run", "value"), Input("inst-layer", "value"),
-              Input("version-slow", "data")]
+    inputs = [Input(ids.TABS, "value"), Input(ids.RUN, "value"), Input("inst-layer", "value"),
+              Input(ids.VERSION_SLOW, "data")]
 
     @app.callback(Output("inst-layer", "options"), Output("inst-layer", "value"), *inputs)
     def _layers(tab: str, run: str | None, layer: str | None, _v: Any) -> tuple:
-        if tab != "instruments" or not run:
+        if tab != VALUE or not run:
             raise dash.exceptions.PreventUpdate
         options = layer_options(project.run(run))
         valid = {o["value"] for o in options}
@@ -193,10 +216,11 @@ def register(app: dash.Dash, project: ProjectData) -> None:
         _register_panel(app, project, key, panel, inputs)
 
     @app.callback([Output(f"inst-warnings-{i}", "children") for i in range(len(SECTIONS))],
-                  Input("tabs", "value"), Input("run", "value"), Input("version-slow", "data"))
+                  Input(ids.TABS, "value"), Input(ids.RUN, "value"),
+                  Input(ids.VERSION_SLOW, "data"))
     @guard(lambda msg: [[error_box(f"warnings: {msg}")]] + [[] for _ in SECTIONS[1:]])
     def _warnings(tab: str, run: str | None, _v: Any) -> list[list[html.P]]:
-        if tab != "instruments" or not run:
+        if tab != VALUE or not run:
             raise dash.exceptions.PreventUpdate
         return [[html.P(line) for line in lines] for lines in section_warnings(project.run(run))]
 
@@ -206,6 +230,9 @@ def _register_panel(app: dash.Dash, project: ProjectData, key: str, panel: Panel
     @app.callback(Output(f"inst-{key}", "figure"), *inputs)
     @figure_guard(panel.title, height=panel.height)
     def _panel(tab: str, run: str | None, layer: str | None, _v: Any) -> Figure:
-        if tab != "instruments" or not run:
+        if tab != VALUE or not run:
             raise dash.exceptions.PreventUpdate
         return render_panel(project.run(run), panel, layer or "")
+
+
+TAB = Tab("Instruments", VALUE, layout, register)

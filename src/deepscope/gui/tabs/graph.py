@@ -1,4 +1,4 @@
-"""Callbacks of the Graph tab: resolve the selectors, draw the graph, fill the outputs.
+"""The Graph tab: selectors, the dependency graph, the selected record's outputs.
 
 Flow per click: one round trip turns the selector values into a valid selection (kept in
 the browser, per tab) and returns the selected record's table and charts with it; the graph
@@ -9,61 +9,94 @@ own, so a failure stays in its panel.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import dash
-from dash import ALL, Input, Output, State, ctx, html
+import dash_cytoscape as cyto
+from dash import ALL, Input, Output, State, ctx, dcc, html
 
-from . import diagnosis, graph_view, panels
-from .data import LRU, ProjectData, RunData, fingerprint
-from .guard import contained, describe, error_box, error_figure, guard, report
-from .selection import Request, nearest_index, resolve
+from ...store.schema import STAT_COLUMNS
+from .. import graph_view, ids, panels
+from ..data import LRU, ProjectData, RunData, fingerprint
+from ..guard import contained, describe, error_box, error_figure, guard, report
+from ..selection import Request, nearest_index, resolve
+from ..widgets import chart, dropdown, labelled
+from . import Tab
+from .instruments import PER_LAYER
 
 _LAYOUTS = LRU(128)  # graph structure fingerprint -> GraphLayout (pure function of the graph)
+STATISTICS = [s for s in STAT_COLUMNS if s != "numel"]
+COLOUR_OPTIONS = ([{"label": "role", "value": "role"}]
+                  + [{"label": f"statistic: {s}", "value": f"stat:{s}"} for s in STATISTICS]
+                  + [{"label": f"quantity: {q}", "value": f"q:{q}"} for q in PER_LAYER])
+
+
+def layout(_run_options: list[dict[str, str]]) -> html.Div:
+    """Graph and selectors on the left, the selected record's outputs on the right."""
+    graph_card = html.Section([
+        html.Div([
+            labelled("Kind", dropdown("kind")),
+            labelled("Iteration", dropdown("iteration")),
+            labelled("Colour by", dropdown("colour-by", options=COLOUR_OPTIONS, value="role")),
+            dcc.Checklist(id="colour-shared", value=["shared"], className="radio",
+                          options=[{"label": "one scale for all runs", "value": "shared"}]),
+        ], className="toolbar"),
+        cyto.Cytoscape(
+            id="graph", elements=[], stylesheet=graph_view.stylesheet(),
+            layout={"name": "preset", "fit": True, "padding": 24},
+            style={"width": "100%", "height": "46vh"}, minZoom=0.1, maxZoom=3,
+            autoRefreshLayout=False, autounselectify=True, responsive=True,
+            className="graph"),
+        html.Div(id="legend", className="legend"),
+        html.Details([html.Summary("All nodes (keyboard access)"),
+                      html.Div(id="node-list", className="node-list")],
+                     className="node-list-wrap"),
+    ], className="card graph-card")
+    selectors = html.Section([
+        html.Div([
+            html.Button("◀", id="step-prev", className="step-btn", title="previous step (←)"),
+            html.Div(dcc.Slider(id="step-slider", min=0, max=0, step=1, value=0, marks={},
+                                updatemode="mouseup", allow_direct_input=False),
+                     className="slider-wrap"),
+            html.Button("▶", id="step-next", className="step-btn", title="next step (→)"),
+            html.Span(id="step-label", className="step-label"),
+        ], className="step-row"),
+        html.Div([
+            labelled("Node", dropdown("node", searchable=True)),
+            labelled("Tensor (role in node)", dropdown("tensor")),
+            labelled("Batch view", dropdown("batch")),
+            labelled("Values", dcc.RadioItems(id="direction", options=[], inline=True,
+                                              className="radio")),
+        ], className="selector-grid"),
+    ], className="card selectors")
+    output = html.Section([
+        html.Div(id="nonfinite-banner"),
+        html.Div(id="stats-table", className="stats-table"),
+        chart("values-chart", 240),
+        chart("items-chart", 200),
+        html.Div([
+            labelled("Statistic over steps", dropdown(
+                ids.STATISTIC, options=STATISTICS, value="norm")),
+            labelled("Overlay runs", dropdown("overlay", multi=True, clearable=True,
+                                              placeholder="add runs to compare")),
+        ], className="toolbar"),
+        chart("over-steps", 260),
+    ], className="card output")
+    return html.Div([html.Div([graph_card, selectors], className="col-left"),
+                     html.Div(output, className="col-right")], className="explorer")
 
 
 def register(app: dash.Dash, project: ProjectData) -> None:
-    _register_poll(app, project)
+    """The Graph tab's callbacks (they run whichever tab is shown: the selection is shared)."""
     _register_resolve(app, project)
     _register_graph(app, project)
     _register_outputs(app, project)
 
 
-# --- live: a version token per run, polled -------------------------------------------------
-SLOW_REFRESH_S = 10.0  # dashboards (instruments, KPIs, ...) redraw at most this often
-
-
-def _register_poll(app: dash.Dash, project: ProjectData) -> None:
-    run_lists = ("run", "compare-b", "kpi-runs")
-
-    @app.callback(Output("version", "data"), Output("version-slow", "data"),
-                  *[Output(i, "options") for i in run_lists],
-                  Output("live-status", "children"), Input("poll", "n_intervals"),
-                  State("version", "data"), State("version-slow", "data"))
-    def _poll(_n: int | None, known: dict[str, str] | None, slow: dict | None) -> tuple:
-        """`version` changes with every commit (the graph tab follows each step);
-        `version-slow` at most every SLOW_REFRESH_S, so that whole dashboards are not
-        recomputed every poll while a run trains on the same machine."""
-        versions = {name: project.run(name).version() for name in project.runs()}
-        slow_due = slow is None or (slow["versions"] != versions and (
-            time.time() - slow["time"] >= SLOW_REFRESH_S or list(slow["versions"]) !=
-            list(versions)))
-        if versions == known and not slow_due:
-            raise dash.exceptions.PreventUpdate
-        same_runs = known is not None and list(versions) == list(known)
-        options = dash.no_update if same_runs else [{"label": r, "value": r}
-                                                     for r in versions]
-        status = f"updated {time.strftime('%H:%M:%S')}" if known is not None else "live"
-        return (dash.no_update if versions == known else versions,
-                {"versions": versions, "time": time.time()} if slow_due else dash.no_update,
-                *[options] * len(run_lists), status)
-
-
 # --- selectors ----------------------------------------------------------------------------
-_SELECTORS = ("run", "kind", "iteration", "direction", "batch", "node", "tensor")
-_CONTROLS = (("run", "value"), ("kind", "options"), ("kind", "value"), ("step-slider", "max"),
+_SELECTORS = (ids.RUN, "kind", "iteration", "direction", "batch", "node", "tensor")
+_CONTROLS = ((ids.RUN, "value"), ("kind", "options"), ("kind", "value"), ("step-slider", "max"),
              ("step-slider", "marks"), ("step-slider", "value"), ("step-label", "children"),
              ("iteration", "options"), ("iteration", "value"), ("direction", "options"),
              ("direction", "value"), ("batch", "options"), ("batch", "value"),
@@ -76,12 +109,12 @@ def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
         Input("step-slider", "value"), Input("step-prev", "n_clicks"),
         Input("step-next", "n_clicks"), Input("graph", "tapNodeData"),
         Input({"type": "node-btn", "node": ALL}, "n_clicks"),
-        Input("over-steps", "clickData"), Input("version", "data"),
-        Input({"type": diagnosis.GO, "step": ALL, "where": ALL}, "n_clicks")]
+        Input("over-steps", "clickData"), Input(ids.VERSION, "data"),
+        Input({"type": ids.GO, "step": ALL, "where": ALL}, "n_clicks")]
 
-    @app.callback(*[Output(i, p) for i, p in _CONTROLS], Output("sel", "data"),
+    @app.callback(*[Output(i, p) for i, p in _CONTROLS], Output(ids.SEL, "data"),
                   Output("controls-sent", "data"), *_RECORD_OUTPUTS, *inputs,
-                  State("sel", "data"), State("controls-sent", "data"))
+                  State(ids.SEL, "data"), State("controls-sent", "data"))
     def _resolve(run: str | None, kind: str | None, iteration: int | None,
                  direction: str | None, batch: str | None, node: str | None,
                  tensor: str | None, slider: int | None, _prev: Any, _next: Any,
@@ -100,7 +133,7 @@ def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
             keep = [dash.no_update] * (len(_CONTROLS) + 2)   # controls, sel, controls-sent
             return (*keep, None, error_box(describe(exc)), dash.no_update, dash.no_update)
         new = {
-            ("run", "value"): sel.run, ("kind", "options"): ch.kinds,
+            (ids.RUN, "value"): sel.run, ("kind", "options"): ch.kinds,
             ("kind", "value"): sel.kind, ("step-slider", "max"): max(ch.step_count - 1, 0),
             ("step-slider", "marks"): ch.marks, ("step-slider", "value"): ch.step_index,
             ("step-label", "children"): ch.step_label,
@@ -109,7 +142,7 @@ def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
             ("batch", "options"): ch.batches, ("batch", "value"): sel.batch,
             ("node", "options"): ch.nodes, ("node", "value"): sel.node,
             ("tensor", "options"): ch.tensors, ("tensor", "value"): sel.tensor}
-        shown = {("run", "value"): run, ("kind", "value"): kind,
+        shown = {(ids.RUN, "value"): run, ("kind", "value"): kind,
                  ("iteration", "value"): iteration, ("direction", "value"): direction,
                  ("batch", "value"): batch, ("node", "value"): node,
                  ("tensor", "value"): tensor, ("step-slider", "value"): slider}
@@ -155,8 +188,8 @@ def record_panels(project: ProjectData, sel: dict[str, Any]) -> tuple:
 def _trigger(tap: dict | None, click: dict | None) -> tuple[str | None, str | None, int | None]:
     """(which selector changed, node picked, step picked) from Dash's callback context."""
     tid = ctx.triggered_id
-    if isinstance(tid, dict) and tid.get("type") == diagnosis.GO:  # a Diagnosis tab row
-        hit = diagnosis.picked(tid, ctx.triggered)
+    if isinstance(tid, dict) and tid.get("type") == ids.GO:  # a Diagnosis tab row
+        hit = ids.picked(tid, ctx.triggered)
         return ("diagnosis", *hit) if hit else (None, None, None)
     if isinstance(tid, dict):  # a node-list button: only a real click counts
         clicked = any(t.get("value") for t in ctx.triggered)
@@ -174,7 +207,7 @@ def _trigger(tap: dict | None, click: dict | None) -> tuple[str | None, str | No
 def _register_graph(app: dash.Dash, project: ProjectData) -> None:
     @app.callback(Output("graph", "elements"), Output("graph", "layout"),
                   Output("node-list", "children"), Output("legend", "children"),
-                  Output("graph-key", "data"), Input("sel", "data"),
+                  Output("graph-key", "data"), Input(ids.SEL, "data"),
                   Input("colour-by", "value"), Input("colour-shared", "value"),
                   State("graph-key", "data"))
     @guard(lambda msg: (dash.no_update, dash.no_update, dash.no_update, error_box(msg),
@@ -280,7 +313,7 @@ def _node_values(rd: RunData, sel: dict[str, Any], node_of: dict[str, str],
             return {}, f"{name}: not tracked per layer up to this step"
         at = int(q["step"].max())
         for layer, value in q[q["step"] == at][["layer", "value"]].itertuples(index=False):
-            per_tensor[_tensor_for_layer(layer, node_of)] = value
+            per_tensor[layer] = value  # a quantity's layer is the recorded parameter name
         caption = f"{name} at step {at}"
     per_node: dict[str, float] = {}
     for t, v in per_tensor.items():
@@ -288,13 +321,6 @@ def _node_values(rd: RunData, sel: dict[str, Any], node_of: dict[str, str],
         if n is not None and v is not None and math.isfinite(v):
             per_node[n] = max(per_node.get(n, -math.inf), v)
     return per_node, caption + " (node: max over its tensors)"
-
-
-def _tensor_for_layer(layer: str, node_of: dict[str, str]) -> str:
-    """A quantity's layer is a parameter name; watched models may add a prefix to it."""
-    if layer in node_of:
-        return layer
-    return next((t for t in node_of if t.endswith("." + layer)), layer)
 
 
 def _legend(layout: graph_view.GraphLayout, scale: graph_view.ColourScale | None,
@@ -322,7 +348,8 @@ def _legend(layout: graph_view.GraphLayout, scale: graph_view.ColourScale | None
 
 # --- outputs ------------------------------------------------------------------------------
 def _register_outputs(app: dash.Dash, project: ProjectData) -> None:
-    @app.callback(Output("overlay", "options"), Input("run", "value"), Input("version", "data"))
+    @app.callback(Output("overlay", "options"), Input(ids.RUN, "value"),
+                  Input(ids.VERSION, "data"))
     def _overlay_options(run: str | None, versions: dict | None) -> list:
         # the selected run is always drawn; offer only the others
         return [{"label": r, "value": r} for r in (versions or {}) if r != run]
@@ -338,12 +365,12 @@ def _register_outputs(app: dash.Dash, project: ProjectData) -> None:
                 .assign(["layout", "shapes", 0, "x0"], sel.step)
                 .assign(["layout", "shapes", 0, "x1"], sel.step).build();
         }""",
-        Output("over-steps", "figure", allow_duplicate=True), Input("sel", "data"),
+        Output("over-steps", "figure", allow_duplicate=True), Input(ids.SEL, "data"),
         State("over-steps", "figure"), prevent_initial_call=True)
 
     @app.callback(Output("over-steps", "figure"), Output("over-steps-key", "data"),
-                  Input("sel", "data"), Input("statistic", "value"),
-                  Input("overlay", "value"), Input("version", "data"),
+                  Input(ids.SEL, "data"), Input(ids.STATISTIC, "value"),
+                  Input("overlay", "value"), Input(ids.VERSION, "data"),
                   State("over-steps-key", "data"))
     @guard(lambda msg: (error_figure(msg, "over steps"), None))
     def _history(sel: dict | None, statistic: str | None, overlay: list | None,
@@ -357,3 +384,7 @@ def _register_outputs(app: dash.Dash, project: ProjectData) -> None:
         if key == drawn:  # only the step moved: the browser moved the marker (above)
             raise dash.exceptions.PreventUpdate
         return panels.history(project, runs, sel, statistic), key
+
+
+TAB = Tab("Graph", ids.GRAPH_TAB, layout, register,
+          stores=(ids.SEL, "graph-key", "over-steps-key", "controls-sent"))

@@ -1,0 +1,34 @@
+"""Small layout pieces every tab uses: labelled controls, dropdowns, charts, tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dash import dcc, html
+
+GRAPH_CONFIG = {"displaylogo": False, "responsive": True,
+                "modeBarButtonsToRemove": ["lasso2d", "select2d"]}
+
+
+def labelled(label: str, control: Any, cls: str = "") -> html.Div:
+    """A control with its small label above it."""
+    return html.Div([html.Label(label, className="ctl-label"), control],
+                    className=f"ctl {cls}".strip())
+
+
+def dropdown(id_: str, **kw: Any) -> dcc.Dropdown:
+    """A dropdown that cannot be emptied unless asked (callbacks always get a value)."""
+    kw.setdefault("clearable", False)
+    return dcc.Dropdown(id=id_, options=kw.pop("options", []), **kw)
+
+
+def chart(id_: str, height: int = 260) -> dcc.Graph:
+    """A chart with a fixed height, so the page does not jump while figures arrive."""
+    return dcc.Graph(id=id_, config=GRAPH_CONFIG, style={"height": f"{height}px"},
+                     figure={"data": [], "layout": {"height": height}})
+
+
+def list_table(headers: list[str], rows: list[list[Any]]) -> html.Table:
+    """A plain table of cells (Notes and Diagnosis tabs)."""
+    return html.Table([html.Thead(html.Tr([html.Th(h) for h in headers])),
+                       html.Tbody([html.Tr(cells) for cells in rows])], className="list-table")
