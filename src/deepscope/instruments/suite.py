@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..catalogue import QUANTITY_NAMES, needing, spec
+from ..catalogue import needing, spec
 from ..naming import ModelNames
 from . import alpha
 from .alpha import AlphaStart
@@ -93,7 +93,6 @@ NO_LOSS = "loss() was not called in this step; call rec.loss(loss, per_sample=lo
 NO_LOSS_WARNING = ("an instrumented step had no rec.loss(...): its quantities (all but Distance "
                    "and UpdateSize) are missing; call rec.loss(loss, per_sample=losses) inside "
                    "every instrumented step")
-LOSS_FREE = frozenset(set(QUANTITY_NAMES) - needing("loss"))  # built-in ones needing no loss
 # The engine names what a warning is about first: "Linear '0': ..." or "parameter 'w': ...".
 _ENGINE_LOCATION = re.compile(r"((?:parameter|[A-Za-z_][\w.]*) '[^']*'): (.+)", re.S)
 
