@@ -105,3 +105,27 @@ def test_ls_marks_a_cut_kinds_column(tmp_path, capsys):
     assert cli(["ls", str(tmp_path)]) == 0
     row = capsys.readouterr().out.splitlines()[1]
     assert "kind_00,kind_01,kin… " in row
+
+
+def test_tensorboard_export_of_a_histogram_recorded_as_missing(run_path, tmp_path):
+    """A GradHist1d that could not be computed at a step is left out of the events (its
+    reason stays in the run), and the export of the rest succeeds."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    with deepscope.Scope(run_path.parent, "m", schedule=deepscope.never) as scope:
+        scope.writer.submit_quantities([
+            QuantityValue("GradHist1d", 0, "", None, np.array([2, 1], dtype=np.int64),
+                          {"edges": [-1.0, 1.0, 2], "nan": 0}),
+            QuantityValue("GradHist1d", 1, "", None, meta={"reason": "batch of one"})])
+    run = deepscope.open_run(run_path.parent / "m")
+    with pytest.raises(KeyError, match="recorded as missing: batch of one"):
+        run.histogram("GradHist1d", 1)
+    missing = run.histogram("GradHist1d", 1, missing_ok=True)
+    assert missing.missing and missing.reason == "batch of one" and missing.edges == ()
+    stored = run.histogram("GradHist1d", 0)
+    counts, meta = stored  # still unpacks as before
+    assert counts.tolist() == [2, 1] and stored.edges[0].tolist() == [-1.0, 0.0, 1.0]
+    assert stored.extras == {"nan": 0} and meta["edges"] == [-1.0, 1.0, 2]
+    assert cli(["export", str(run_path.parent / "m"), "--tensorboard", str(tmp_path / "tb")]) == 0
+    acc = EventAccumulator(str(tmp_path / "tb" / "m"))
+    acc.Reload()
+    assert [e.step for e in acc.Histograms("hist/GradHist1d")] == [0]

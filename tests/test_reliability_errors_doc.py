@@ -25,6 +25,7 @@ import torch
 
 import deepscope
 from deepscope.cli.main import main as cli
+from deepscope.instruments.base import QuantityValue
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "errors.md"
@@ -55,6 +56,15 @@ def recorded(tmp: Path, steps: int = 1) -> deepscope.Run:
         for step in range(steps):
             with scope.step(step) as rec:
                 rec.tensor("x", torch.ones(2, 3), role="input")
+    return deepscope.open_run(tmp / "r")
+
+
+def missing_histogram(tmp: Path) -> deepscope.Run:
+    """A run whose GradHist1d at step 0 could not be computed."""
+    with recording(tmp) as scope:
+        scope.writer.submit_quantities([QuantityValue(
+            "GradHist1d", 0, "", None, meta={"reason": "loss() was not called in this step; "
+                                             "call rec.loss(loss, per_sample=losses)"})])
     return deepscope.open_run(tmp / "r")
 
 
@@ -301,6 +311,8 @@ CASES = [
          lambda t: recorded(t, steps=0).graph()),
     Case("Reading", 'run.histogram("GradHist1d", 0)',
          lambda t: recorded(t).histogram("GradHist1d", 0)),
+    Case("Reading", 'run.histogram("GradHist1d", 0) of one recorded as missing (missing_ok=True '
+         "returns it with its reason)", lambda t: missing_histogram(t).histogram("GradHist1d", 0)),
     # --- files ---
     Case("Files", "open a run whose file is not SQLite",
          lambda t: deepscope.open_run(rank_file(t, b"garbage" * 10)).steps()),

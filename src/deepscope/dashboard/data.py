@@ -14,11 +14,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..catalogue import resolve_quantities
+from .. import catalogue
 from ..query import Project, Run
 from ..store.layout import is_run_dir
-
-HISTOGRAMS = ("GradHist1d", "GradHist2d")
 
 
 @dataclass(frozen=True)
@@ -47,11 +45,13 @@ class Series:
 
 @dataclass(frozen=True)
 class HistogramAt:
-    """A stored histogram (whole model) at one step: counts and their metadata."""
+    """A stored histogram (whole model) at one step: counts, their metadata and the bin
+    edges per axis (2-D: θ axis first), as `deepscope.query.histogram.Histogram` decodes."""
 
     step: int
     counts: np.ndarray
     meta: dict[str, Any]
+    edges: tuple[np.ndarray, ...] = ()
 
 
 class DashboardData:
@@ -82,16 +82,15 @@ class DashboardData:
         if step is not None:
             quantities = quantities[quantities["step"] <= step]
             kpis = kpis[kpis["step"] <= step]
-        histograms = {}
-        for name in HISTOGRAMS:
+        stored = {}
+        for name in catalogue.histograms():
             rows = quantities[(quantities["name"] == name) & (quantities["layer"] == "")]
-            # a histogram row without edges is a missing value (its meta says why)
-            stored = rows[[("edges" in m) for m in rows["meta"]]]
-            if len(stored):
-                at = int(stored["step"].iloc[-1])
-                counts, meta = run.histogram(name, at)
-                histograms[name] = HistogramAt(at, counts, meta)
-        return cls(run.name, quantities, kpis, histograms, _declared(run))
+            for at in reversed(rows["step"].tolist()):  # the latest one with counts
+                hist = run.histogram(name, int(at), missing_ok=True)
+                if not hist.missing:
+                    stored[name] = HistogramAt(int(at), hist.counts, hist.meta, hist.edges)
+                    break
+        return cls(run.name, quantities, kpis, stored, _declared(run))
 
     # -- queries -------------------------------------------------------------------------
     def tracked(self, name: str) -> bool:
@@ -152,6 +151,6 @@ def _declared(run: Run) -> frozenset[str]:
     if not spec:
         return frozenset()
     try:
-        return frozenset(resolve_quantities(spec))
+        return frozenset(catalogue.resolve_quantities(spec))
     except (TypeError, ValueError):  # written by another version: fall back to the values
         return frozenset()

@@ -20,13 +20,13 @@ import matplotlib as mpl
 from matplotlib.figure import Figure
 from matplotlib.gridspec import SubplotSpec
 
+from .. import catalogue
 from ..query import Run
 from .data import DashboardData, open_for_plot
 from .panels import (
     PRIMARY,
     SECONDARY,
     TERTIARY,
-    TESTS,
     draw_alpha,
     draw_gradient_tests,
     draw_hist1d,
@@ -47,10 +47,12 @@ NOT_PERFORMANCE = (*LEARNING_RATE_KPIS, "epoch_count")
 Drawer = Callable[[Figure, SubplotSpec, DashboardData, bool], None]
 
 
-def _series(key: str, title: str, left: tuple[str, ...], right: tuple[str, ...] = (),
+def _series(key: str, title: str, right: tuple[str, ...] = (),
             layers_of: str | None = None) -> Drawer:
-    """A panel of quantities over steps (the shared series helper in its own axes)."""
+    """A panel of quantities over steps (the shared series helper in its own axes): those
+    the catalogue puts in panel `key`, `right` ones on a right axis."""
     def draw(fig: Figure, cell: SubplotSpec, data: DashboardData, log_steps: bool) -> None:
+        left = [q for q in catalogue.dashboard_quantities(key) if q not in right]
         draw_series(panel_axes(fig, cell, key, title), data, left, right, layers_of=layers_of,
                     log_steps=log_steps)
     return draw
@@ -93,23 +95,16 @@ def _performance(fig: Figure, cell: SubplotSpec, data: DashboardData, log_steps:
 PANELS: dict[str, Drawer] = {
     "alpha": _alpha,
     "distance": _series("distance", "Distance from start (left), update size (right)",
-                        ("Distance",), ("UpdateSize",)),
-    "gradnorm": _series("gradnorm", "Gradient norm", ("GradNorm",)),
+                        ("UpdateSize",)),
+    "gradnorm": _series("gradnorm", "Gradient norm"),
     "tests": _tests,
     "hist1d": _hist1d,
     "hist2d": _hist2d,
-    "hessmaxev": _series("hessmaxev", "Hessian max eigenvalue", ("HessMaxEV",)),
-    "hesstrace": _series("hesstrace", "Hessian trace (grey: per layer)", ("HessTrace",),
-                         layers_of="HessTrace"),
-    "tic": _series("tic", "Takeuchi information criterion", ("TICDiag", "TICTrace")),
+    "hessmaxev": _series("hessmaxev", "Hessian max eigenvalue"),
+    "hesstrace": _series("hesstrace", "Hessian trace (grey: per layer)", layers_of="HessTrace"),
+    "tic": _series("tic", "Takeuchi information criterion"),
     "hyperparameters": _hyperparameters,
     "performance": _performance,
-}
-# The quantities each instrument panel draws: a panel none of them was tracked for is left out.
-PANEL_QUANTITIES: dict[str, tuple[str, ...]] = {
-    "alpha": ("Alpha",), "distance": ("Distance", "UpdateSize"), "gradnorm": ("GradNorm",),
-    "tests": TESTS, "hist1d": ("GradHist1d",), "hist2d": ("GradHist2d",),
-    "hessmaxev": ("HessMaxEV",), "hesstrace": ("HessTrace",), "tic": ("TICDiag", "TICTrace"),
 }
 GROUPS: tuple[tuple[str, str, tuple[str, str, str]], ...] = (
     ("STEP SIZE", PRIMARY, ("alpha", "distance", "gradnorm")),
@@ -168,11 +163,12 @@ def _draw(fig: Figure, data: DashboardData, title: str | None, log_steps: bool) 
         background.set_zorder(-1)
         inner = cell.subgridspec(5, 3, width_ratios=[0.1, 1, 0.05],
                                  height_ratios=[0.02, 1, 1, 1, 0.1], hspace=0.95)
-        tracked = [k for k in keys if any(map(data.tracked, PANEL_QUANTITIES[k]))]
+        tracked = [k for k in keys if any(map(data.tracked, catalogue.dashboard_quantities(k)))]
         for row, key in enumerate(tracked):  # only what the run tracked, from the top
             _panel(fig, inner[row + 1, 1], key, data, log_steps)
         if not tracked:
-            names = ", ".join(dict.fromkeys(q for k in keys for q in PANEL_QUANTITIES[k]))
+            names = ", ".join(dict.fromkeys(
+                q for k in keys for q in catalogue.dashboard_quantities(k)))
             message(background, f"not tracked in this run:\n{names}")
     _panel(fig, outer[1, 0], "hyperparameters", data, log_steps)
     _panel(fig, outer[1, 1:], "performance", data, log_steps)

@@ -252,11 +252,6 @@ def _extras_note(ax: Axes, meta: dict) -> None:
                 ha="right", va="top", fontsize=7, color=MISSING if alarm else "dimgray")
 
 
-def _edges(spec: Sequence[float]) -> np.ndarray:
-    lo, hi, bins = spec
-    return np.linspace(float(lo), float(hi), int(bins) + 1)
-
-
 def draw_hist1d(ax: Axes, data: DashboardData) -> None:
     """The latest histogram of per-sample gradient elements (symmetric-log counts)."""
     hist = data.histogram("GradHist1d")
@@ -264,7 +259,7 @@ def draw_hist1d(ax: Axes, data: DashboardData) -> None:
         _blank(ax, absent_text(data, ["GradHist1d"]))
         return
     ax.set_title(f"Gradient elements (step {hist.step})", fontweight="bold")
-    ax.stairs(hist.counts, _edges(hist.meta["edges"]), fill=True, color=PRIMARY, alpha=0.85)
+    ax.stairs(hist.counts, hist.edges[0], fill=True, color=PRIMARY, alpha=0.85)
     ax.set_yscale("symlog", linthresh=1)
     ax.set_xlabel("per-sample gradient element")
     ax.set_ylabel("count")
@@ -288,9 +283,8 @@ def draw_hist2d(fig: Figure, cell: SubplotSpec, data: DashboardData) -> None:
             marginal.set_axis_off()
         _blank(main, absent_text(data, ["GradHist2d"]))
         return
-    param_spec, grad_spec = hist.meta["edges"]
+    param_edges, grad_edges = hist.edges
     counts = np.asarray(hist.counts, dtype=np.float64)  # (param bins, grad bins)
-    grad_edges, param_edges = _edges(grad_spec), _edges(param_spec)
     main.imshow(np.log1p(counts), origin="lower", aspect="auto", cmap="viridis",
                 extent=(grad_edges[0], grad_edges[-1], param_edges[0], param_edges[-1]))
     main.set_xlabel("per-sample gradient element")

@@ -11,24 +11,23 @@ from ..catalogue import (
     ECONOMY,
     FULL,
     QUANTITY_NAMES,
+    needing,
     resolve_quantities,
 )
 
 __all__ = ["BUSINESS", "CONFIGURATIONS", "ECONOMY", "FULL", "QUANTITY_NAMES",
            "resolve_quantities"]
 
-# What each quantity needs at a step, so the suite turns on only that.
-NEEDS_ENGINE: frozenset[str] = frozenset(
-    {"GradNorm", "NormTest", "InnerTest", "OrthoTest", "GradHist1d", "GradHist2d", "Alpha",
-     "TICDiag", "TICTrace", "MeanGSNR", "CABS", "EarlyStopping"}
-)
-NEEDS_DIAGONAL: frozenset[str] = frozenset({"HessTrace", "TICDiag", "TICTrace"})
-NEEDS_HESSIAN: frozenset[str] = NEEDS_DIAGONAL | {"HessMaxEV"}
+# What each quantity needs at a step, so the suite turns on only that (derived from the
+# catalogue's built-in specs; the suite asks `catalogue.needing` so registered ones count).
+NEEDS_ENGINE: frozenset[str] = needing("engine")
+NEEDS_DIAGONAL: frozenset[str] = needing("diagonal")
+NEEDS_HESSIAN: frozenset[str] = needing("hessian")
 # per_sample= is needed to infer the loss reduction (mean or sum), which fixes the
 # per-sample gradients and the Hessian of the mean loss, and for α's loss variance.
 NEEDS_PER_SAMPLE: frozenset[str] = NEEDS_ENGINE | NEEDS_HESSIAN
 # θₜ must be copied at the start of the step (update dₜ, θₜ for the 2-D histogram).
-NEEDS_SNAPSHOT: frozenset[str] = frozenset({"UpdateSize", "Alpha", "GradHist2d"})
+NEEDS_SNAPSHOT: frozenset[str] = needing("snapshot")
 
 CURVATURE_MODES: tuple[str, ...] = ("auto", "exact", "hutchinson")
 

@@ -33,20 +33,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..catalogue import needing, spec
 from ..naming import ModelNames
 from . import alpha
 from .alpha import AlphaStart
 from .base import InstrumentWarning, QuantityValue, describe
 from .batch import Batch
-from .config import (
-    NEEDS_DIAGONAL,
-    NEEDS_ENGINE,
-    NEEDS_HESSIAN,
-    NEEDS_PER_SAMPLE,
-    NEEDS_SNAPSHOT,
-    check_curvature_mode,
-    resolve_quantities,
-)
+from .config import check_curvature_mode, resolve_quantities
 from .engine import PerSampleEngine
 from .histograms.per_step import (
     HIST2D_BINS,
@@ -74,6 +67,23 @@ from .quantities.curvature_runner import hvp_seconds as _hvp_seconds
 from .step import StepState, missing, reduce_loss, rows
 
 Schedule = Callable[[int, str], bool]
+# A quantity's compute function: (the suite, the quantity's name, the step, the engine's
+# statistics or None, the update θₜ₊₁ − θₜ per parameter or None) -> its values (whole
+# model, layer "", and per layer).
+Compute = Callable[["Instruments", str, StepState, "Batch | None", "list[Tensor] | None"],
+                   list[QuantityValue]]
+# The compute function of every quantity, by catalogue name; `computes` fills it.
+COMPUTE: dict[str, Compute] = {}
+
+
+def computes(*names: str) -> Callable[[Compute], Compute]:
+    """Decorator: register `fn` as the compute function of the catalogue quantities `names`
+    (a new quantity is one `catalogue.register(QuantitySpec(...))` plus one of these)."""
+    def add(fn: Compute) -> Compute:
+        for name in names:
+            COMPUTE[name] = fn
+        return fn
+    return add
 
 # Few Hessian-vector products by default (each costs about two training steps); raise them
 # for more accurate curvature. Hutchinson's diagonal is very noisy with 2 probes.
@@ -83,7 +93,6 @@ NO_LOSS = "loss() was not called in this step; call rec.loss(loss, per_sample=lo
 NO_LOSS_WARNING = ("an instrumented step had no rec.loss(...): its quantities (all but Distance "
                    "and UpdateSize) are missing; call rec.loss(loss, per_sample=losses) inside "
                    "every instrumented step")
-LOSS_FREE = frozenset({"Distance", "UpdateSize"})  # the quantities that need no loss
 # The engine names what a warning is about first: "Linear '0': ..." or "parameter 'w': ...".
 _ENGINE_LOCATION = re.compile(r"((?:parameter|[A-Za-z_][\w.]*) '[^']*'): (.+)", re.S)
 
@@ -161,6 +170,10 @@ class Instruments:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.quantities = resolve_quantities(quantities)
+        uncomputed = [q for q in self.quantities if q not in COMPUTE]
+        if uncomputed:
+            raise ValueError(f"quantity {uncomputed[0]} has no compute function; register one "
+                             "with deepscope.instruments.suite.computes")
         self.schedule = _every_step if schedule is None else _check_schedule(schedule, "schedule")
         self.schedules: dict[str, Schedule] = {}
         for name, sched in (schedules or {}).items():
@@ -189,7 +202,7 @@ class Instruments:
         self.lanczos_iter = lanczos_iter
         self._curvature = CurvatureRunner(
             self.curvature, hutchinson_samples, lanczos_iter, seed,
-            warn=lambda message: self._warn(message, NEEDS_DIAGONAL),
+            warn=lambda message: self._warn(message, needing("diagonal")),
             timer=_hvp_seconds, budget=diagonal_budget)
 
         self.model = model
@@ -201,7 +214,7 @@ class Instruments:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
         self._names = list(self._params)
         self._engine = (PerSampleEngine(model, names=names)
-                        if set(self.quantities) & NEEDS_ENGINE else None)
+                        if set(self.quantities) & needing("engine") else None)
         self._warnings: list[str] = []
         self._new_warnings: list[InstrumentWarning] = []  # not yet taken by take_warnings()
         self._engine_warnings_taken = 0
@@ -238,7 +251,7 @@ class Instruments:
         if self._engine is not None:
             fresh = self._engine.warnings[self._engine_warnings_taken:]
             self._engine_warnings_taken += len(fresh)
-            affected = tuple(q for q in self.quantities if q in NEEDS_ENGINE)
+            affected = tuple(q for q in self.quantities if q in needing("engine"))
             for text in fresh:
                 match = _ENGINE_LOCATION.fullmatch(text)
                 location, message = match.groups() if match else ("", text)
@@ -270,11 +283,11 @@ class Instruments:
         with torch.no_grad():
             if self._theta0 is None and "Distance" in self.quantities:
                 self._theta0 = [p.detach().clone() for p in params]
-            if due & NEEDS_SNAPSHOT:
+            if due & needing("snapshot"):
                 state.theta = [p.detach().clone() for p in params]
             if "Distance" in due:
                 state.distance = layer_norms([p - p0 for p, p0 in zip(params, self._theta0)])
-        if self._engine is not None and (due & NEEDS_ENGINE or alpha_end):
+        if self._engine is not None and (due & needing("engine") or alpha_end):
             self._engine.start()
             state.engine_on = True
 
@@ -304,7 +317,8 @@ class Instruments:
             raise RuntimeError("loss() called outside a step; call start(step, kind) first")
         if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
             raise TypeError("loss must be a scalar floating-point tensor (the reduced loss)")
-        needs = state.due & NEEDS_PER_SAMPLE | ({"Alpha"} if state.alpha_end else set())
+        per_sample_needed = needing("engine") | needing("hessian")
+        needs = state.due & per_sample_needed | ({"Alpha"} if state.alpha_end else set())
         state.calls += 1
         if per_sample is None:
             if needs:
@@ -323,7 +337,7 @@ class Instruments:
             # ∂loss/∂(one element of per_sample): a mean also averages each sample's parts
             unit = 1 / (scale * per_sample[0].numel()) if kind == "mean" else 1 / scale
             self._engine.add_loss(loss, scale, per_sample, unit)
-        if state.due & NEEDS_HESSIAN:
+        if state.due & needing("hessian"):
             forward_s = state.forward_seconds(loss.device)  # (reduce_loss waited for it)
             # H of the micro-batch's mean loss = loss · scale / B, whatever the reduction
             previous, batch = state.curvature, losses.shape[0]
@@ -402,17 +416,18 @@ class Instruments:
             with contextlib.suppress(Exception):
                 self._want_dots(state, batch, update)
 
-        if state.loss is None and due - LOSS_FREE:
-            self._warn(NO_LOSS_WARNING, frozenset(self.quantities) - LOSS_FREE)
+        loss_free = frozenset(self.quantities) - needing("loss")
+        if state.loss is None and due - loss_free:
+            self._warn(NO_LOSS_WARNING, frozenset(self.quantities) - loss_free)
 
         def attempt(name: str, compute: Callable[[], list[QuantityValue]]) -> None:
-            if state.loss is None and name not in LOSS_FREE:
+            if state.loss is None and name not in loss_free:
                 out.append(missing(name, step, NO_LOSS))
                 return
             if name in state.failed:
                 out.append(missing(name, step, state.failed[name]))
                 return
-            if name in NEEDS_ENGINE and batch is None:
+            if "engine" in spec(name).needs and batch is None:
                 out.append(missing(name, step, batch_error))
                 return
             try:
@@ -432,7 +447,7 @@ class Instruments:
 
         for name in self.quantities:
             if name in due:
-                attempt(name, lambda name=name: self._quantity(name, state, batch, update))
+                attempt(name, lambda name=name: COMPUTE[name](self, name, state, batch, update))
         return out
 
     def _want_dots(self, state: StepState, batch: Batch, update: list[Tensor] | None) -> None:
@@ -442,83 +457,6 @@ class Instruments:
         starts = "Alpha" in state.due and update is not None
         alpha.want_dots(batch, state.alpha_end, dict(zip(self._names, update)) if starts else None,
                         float(state.update_sizes[-1]) if starts else 0.0)
-
-    def _quantity(
-        self, name: str, state: StepState, batch: Batch | None, update: list[Tensor] | None
-    ) -> list[QuantityValue]:
-        """The values of one due quantity at the current step."""
-        if name == "Loss":
-            meta: dict[str, Any] = {"reduction": state.reduction}
-            if len(state.counts) > 1:
-                meta["micro_batches"] = len(state.counts)
-            return [QuantityValue("Loss", state.step, value=float(state.loss), meta=meta)]
-        if name == "Distance":
-            return rows(name, state.step, self._names, state.distance)
-        if name == "UpdateSize":
-            return rows(name, state.step, self._names, state.update_sizes)
-        if name == "HessMaxEV":
-            value, meta = state.curvature["max_ev"]
-            return [QuantityValue(name, state.step, value=value, meta=meta)]
-        if name == "HessTrace":
-            return rows(name, state.step, self._names, state.curvature["traces"],
-                              state.curvature["diagonal_meta"])
-        if name == "Alpha":
-            start = alpha.measure_start(state.step, state.losses, batch,
-                                        dict(zip(self._names, update)),
-                                        float(state.update_sizes[-1]))
-            if isinstance(start, QuantityValue):
-                return [start]
-            self._pending = start
-            return []
-        if name in HISTOGRAM_NAMES:
-            if state.hist_results is None:
-                state.hist_results = histogram_pass(self._histograms, batch, state.due,
-                                                    self._names, state.theta)
-            return histogram_values(name, state.step, self._histograms, state.hist_results,
-                                    batch.unavailable())
-        return self._gradient_values(name, state, batch)
-
-    def _gradient_values(
-        self, name: str, state: StepState, batch: Batch
-    ) -> list[QuantityValue]:
-        """Quantities from per-sample gradient statistics, per layer and in total."""
-        B = batch.size
-        if name in ("NormTest", "InnerTest", "OrthoTest", "CABS", "EarlyStopping") and B < 2:
-            raise ValueError(f"{name} needs a batch of at least 2 samples, got {B}")
-        meta: dict[str, Any] = {}
-        undefined, reason = None, ""
-        if name in ("NormTest", "InnerTest", "OrthoTest", "CABS"):
-            N = with_total(batch.grad_sq_norms)
-            undefined, reason = N == 0, "the mean gradient ḡ is exactly zero"
-        if name == "GradNorm":
-            value = with_total(batch.grad_sq_norms).sqrt()
-        elif name == "NormTest":
-            value = norm_test(with_total(batch.sq_norm_sums), N, B)
-        elif name == "InnerTest":
-            value = inner_test(with_total(batch.dots_with_mean), N, B)
-        elif name == "OrthoTest":
-            value = ortho_test(with_total(batch.sq_norm_sums), with_total(batch.dots_with_mean),
-                               N, B)
-        elif name == "MeanGSNR":
-            value = mean_gsnr(batch.grad_mean, batch.second_moment_sums, B)
-        elif name == "EarlyStopping":
-            value = early_stopping(batch.grad_mean, batch.second_moment_sums, B)
-            meta = self._sgd_note(name)
-        elif name == "CABS":
-            value, meta = self._cabs(with_total(batch.sq_norm_sums), N, B, state.loss)
-            if state.loss == 0:
-                undefined, reason = torch.ones_like(N, dtype=torch.bool), "the loss is zero"
-        else:  # TICDiag, TICTrace
-            if "diagonal" not in state.curvature:
-                raise RuntimeError("the Hessian diagonal was not computed at this step")
-            moments = [m / B for m in batch.second_moment_sums]
-            meta = state.curvature["diagonal_meta"]
-            value = (tic_diag(moments, state.curvature["diagonal"]) if name == "TICDiag"
-                     else tic_trace(moments, state.curvature["traces"]))
-        # read after computing: the engine finds parameters without per-sample gradients then;
-        # ḡ needs none (GradNorm): only parameters whose delivered gradient is unusable too
-        missing = batch.engine.unavailable_sum if name == "GradNorm" else batch.unavailable()
-        return rows(name, state.step, self._names, value, meta, undefined, reason, dict(missing))
 
     def _cabs(
         self, S: Tensor, N: Tensor, B: int, loss: Tensor
@@ -544,3 +482,143 @@ class Instruments:
                 "does not hold as stated")
         self._warn(note, frozenset({name}))  # once: a Python warning, stored in the run
         return {"note": note}
+
+
+@computes("Loss")
+def _loss(inst: Instruments, name: str, state: StepState, batch: Batch | None,
+               update: list[Tensor] | None) -> list[QuantityValue]:
+    meta: dict[str, Any] = {"reduction": state.reduction}
+    if len(state.counts) > 1:
+        meta["micro_batches"] = len(state.counts)
+    return [QuantityValue(name, state.step, value=float(state.loss), meta=meta)]
+
+
+@computes("Distance")
+def _distance(inst: Instruments, name: str, state: StepState, batch: Batch | None,
+              update: list[Tensor] | None) -> list[QuantityValue]:
+    return rows(name, state.step, inst._names, state.distance)
+
+
+@computes("UpdateSize")
+def _update_size(inst: Instruments, name: str, state: StepState, batch: Batch | None,
+                 update: list[Tensor] | None) -> list[QuantityValue]:
+    return rows(name, state.step, inst._names, state.update_sizes)
+
+
+@computes("HessMaxEV")
+def _hess_max_ev(inst: Instruments, name: str, state: StepState, batch: Batch | None,
+                 update: list[Tensor] | None) -> list[QuantityValue]:
+    value, meta = state.curvature["max_ev"]
+    return [QuantityValue(name, state.step, value=value, meta=meta)]
+
+
+@computes("HessTrace")
+def _hess_trace(inst: Instruments, name: str, state: StepState, batch: Batch | None,
+                update: list[Tensor] | None) -> list[QuantityValue]:
+    return rows(name, state.step, inst._names, state.curvature["traces"],
+                state.curvature["diagonal_meta"])
+
+
+@computes("Alpha")
+def _alpha(inst: Instruments, name: str, state: StepState, batch: Batch | None,
+           update: list[Tensor] | None) -> list[QuantityValue]:
+    """α's start point: measured now, its value comes at the next instrumented step."""
+    start = alpha.measure_start(state.step, state.losses, batch,
+                                dict(zip(inst._names, update)), float(state.update_sizes[-1]))
+    if isinstance(start, QuantityValue):
+        return [start]
+    inst._pending = start
+    return []
+
+
+@computes(*HISTOGRAM_NAMES)
+def _histogram(inst: Instruments, name: str, state: StepState, batch: Batch | None,
+               update: list[Tensor] | None) -> list[QuantityValue]:
+    if state.hist_results is None:
+        state.hist_results = histogram_pass(inst._histograms, batch, state.due, inst._names,
+                                            state.theta)
+    return histogram_values(name, state.step, inst._histograms, state.hist_results,
+                            batch.unavailable())
+
+
+def _engine_rows(inst: Instruments, name: str, state: StepState, batch: Batch, value: Tensor,
+                 meta: dict[str, Any] | None = None, undefined: Tensor | None = None,
+                 reason: str = "") -> list[QuantityValue]:
+    """Rows of a quantity from per-sample gradient statistics, per layer and in total; the
+    parameters without usable per-sample gradients are read after computing `value` (the
+    engine finds them then)."""
+    return rows(name, state.step, inst._names, value, meta or {}, undefined, reason,
+                dict(batch.unavailable()))
+
+
+def _batch_size(name: str, batch: Batch, least: int = 2) -> int:
+    if batch.size < least:
+        raise ValueError(f"{name} needs a batch of at least {least} samples, got {batch.size}")
+    return batch.size
+
+
+ZERO_MEAN = "the mean gradient ḡ is exactly zero"
+
+
+@computes("GradNorm")
+def _grad_norm(inst: Instruments, name: str, state: StepState, batch: Batch | None,
+               update: list[Tensor] | None) -> list[QuantityValue]:
+    value = with_total(batch.grad_sq_norms).sqrt()
+    # ḡ needs no per-sample gradients: only parameters whose delivered gradient is unusable
+    return rows(name, state.step, inst._names, value, {}, None, "",
+                dict(batch.engine.unavailable_sum))
+
+
+# The gradient tests from (the statistics, N = ‖ḡ‖² per layer and total, B)
+_TESTS: dict[str, Callable[[Batch, Tensor, int], Tensor]] = {
+    "NormTest": lambda b, N, B: norm_test(with_total(b.sq_norm_sums), N, B),
+    "InnerTest": lambda b, N, B: inner_test(with_total(b.dots_with_mean), N, B),
+    "OrthoTest": lambda b, N, B: ortho_test(with_total(b.sq_norm_sums),
+                                            with_total(b.dots_with_mean), N, B),
+}
+
+
+@computes(*_TESTS)
+def _gradient_test(inst: Instruments, name: str, state: StepState, batch: Batch | None,
+                   update: list[Tensor] | None) -> list[QuantityValue]:
+    B, N = _batch_size(name, batch), with_total(batch.grad_sq_norms)
+    return _engine_rows(inst, name, state, batch, _TESTS[name](batch, N, B),
+                        undefined=N == 0, reason=ZERO_MEAN)
+
+
+@computes("MeanGSNR")
+def _mean_gsnr(inst: Instruments, name: str, state: StepState, batch: Batch | None,
+               update: list[Tensor] | None) -> list[QuantityValue]:
+    value = mean_gsnr(batch.grad_mean, batch.second_moment_sums, batch.size)
+    return _engine_rows(inst, name, state, batch, value)
+
+
+@computes("EarlyStopping")
+def _early_stopping(inst: Instruments, name: str, state: StepState, batch: Batch | None,
+                    update: list[Tensor] | None) -> list[QuantityValue]:
+    B = _batch_size(name, batch)
+    value = early_stopping(batch.grad_mean, batch.second_moment_sums, B)
+    return _engine_rows(inst, name, state, batch, value, inst._sgd_note(name))
+
+
+@computes("CABS")
+def _cabs_rows(inst: Instruments, name: str, state: StepState, batch: Batch | None,
+               update: list[Tensor] | None) -> list[QuantityValue]:
+    B, N = _batch_size(name, batch), with_total(batch.grad_sq_norms)
+    value, meta = inst._cabs(with_total(batch.sq_norm_sums), N, B, state.loss)
+    if state.loss == 0:
+        undefined, reason = torch.ones_like(N, dtype=torch.bool), "the loss is zero"
+    else:
+        undefined, reason = N == 0, ZERO_MEAN
+    return _engine_rows(inst, name, state, batch, value, meta, undefined, reason)
+
+
+@computes("TICDiag", "TICTrace")
+def _tic(inst: Instruments, name: str, state: StepState, batch: Batch | None,
+         update: list[Tensor] | None) -> list[QuantityValue]:
+    if "diagonal" not in state.curvature:
+        raise RuntimeError("the Hessian diagonal was not computed at this step")
+    moments = [m / batch.size for m in batch.second_moment_sums]
+    value = (tic_diag(moments, state.curvature["diagonal"]) if name == "TICDiag"
+             else tic_trace(moments, state.curvature["traces"]))
+    return _engine_rows(inst, name, state, batch, value, state.curvature["diagonal_meta"])

@@ -8,13 +8,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..catalogue import QUANTITY_NAMES
+from .. import catalogue
 from ..errors import CorruptRunError
 from ..store.layout import check_links, rank_files
 from ..store.reader import StoreReader
 from ..store.schema import STAT_COLUMNS
 from ..suggest import did_you_mean
 from . import checks
+from .histogram import Histogram
 
 DIRECTIONS = ("forward", "grad")
 # What the GUI calls a direction, accepted by every `direction=` argument.
@@ -306,12 +307,12 @@ class Run:
         the key, and last `meta`: the row's metadata as one dict, kept for code written when
         it was the only metadata column.
 
-        A quantity of `QUANTITY_NAMES` that was not tracked gives an empty table; another
+        A quantity of the catalogue that was not tracked gives an empty table; another
         name, or a layer no quantity was recorded for, raises KeyError with did-you-mean.
         """
         if name is not None:
             self._check("quantity", name, "SELECT DISTINCT name FROM quantities", rank,
-                        also=QUANTITY_NAMES)
+                        also=catalogue.names())
         if layer:
             self._check("layer", layer, "SELECT DISTINCT layer FROM quantities WHERE layer != ''",
                         rank)
@@ -341,20 +342,34 @@ class Run:
         df["meta"] = pd.Series(metas, index=df.index, dtype=object)
         return df
 
-    def histogram(self, name: str, step: int, layer: str = "",
-                  rank: int = 0) -> tuple[np.ndarray, dict[str, Any]]:
-        """Counts and metadata (edges, under/overflow, NaN/±Inf counts) of a histogram."""
+    def histogram(self, name: str, step: int, layer: str = "", rank: int = 0, *,
+                  missing_ok: bool = False) -> Histogram:
+        """The histogram `name` (GradHist1d, GradHist2d) at `step` of `layer` ("" = whole
+        model): counts, edges per axis, the counts outside the bins, metadata. Unpacks as
+        `counts, meta`.
+
+        A histogram recorded as missing (it could not be computed at that step) raises
+        KeyError naming the stored reason, or with missing_ok=True is returned with counts
+        None and its `reason`. One never recorded raises KeyError.
+        """
         r = self._r(rank)
-        rows = r.query("SELECT a.dtype, a.shape, a.data, q.meta FROM quantity_arrays a "
-                       "JOIN quantities q USING (name, layer, step) WHERE a.name = ? AND "
-                       "a.layer = ? AND a.step = ?", (name, layer, step))
-        if not rows:
+        rows = r.query("SELECT a.dtype, a.shape, a.data, q.meta FROM quantities q LEFT JOIN "
+                       "quantity_arrays a USING (name, layer, step) WHERE q.name = ? AND "
+                       "q.layer = ? AND q.step = ?", (name, layer, step))
+        meta = r.decode_json(rows[0][3], "histogram metadata") if rows else None
+        if not rows or (rows[0][2] is None and not (isinstance(meta, dict)
+                                                    and meta.get("reason"))):
             raise KeyError(f"no {name} histogram at step {step} for layer {layer!r}")
-        dtype, shape, data, meta = rows[0]
+        dtype, shape, data, _ = rows[0]
+        if data is None:
+            value = Histogram.decode(name, step, layer, None, meta)
+            if not missing_ok:
+                raise KeyError(f"{name} at step {step} for layer {layer!r} was recorded as "
+                               f"missing: {value.reason}")
+            return value
         counts = r.decode_array(dtype, shape, data)
-        meta = r.decode_json(meta, "histogram metadata")
         checks.histogram(counts, meta, r.path, f"{name} histogram metadata at step {step}")
-        return counts, meta
+        return Histogram.decode(name, step, layer, counts, meta)
 
     def anomalies(self, rank: int = 0) -> pd.DataFrame:
         """Health-check findings: step, kind (of the step; "" if it was neither recorded nor

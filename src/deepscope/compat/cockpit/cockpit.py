@@ -35,10 +35,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from ... import catalogue
 from ...hookstate import hooks_paused
 from ...instruments.base import TOTAL, QuantityValue
 from ...instruments.suite import is_plain_sgd
 from ...naming import ModelNames
+from ...query.histogram import Histogram
 from ...recorder.schedule import never
 from ...recorder.scope import Scope
 from ...recorder.step import StepRecorder
@@ -49,8 +51,8 @@ from .quantities import Quantity
 log = logging.getLogger("deepscope")
 
 # Cockpit reports these per parameter tensor (a list in `params` order), the rest in total.
-PER_PARAMETER = frozenset({"GradNorm", "Distance", "UpdateSize", "HessTrace"})
-HISTOGRAMS = frozenset({"GradHist1d", "GradHist2d"})
+PER_PARAMETER = catalogue.cockpit_per_parameter()
+HISTOGRAMS = frozenset(catalogue.histograms())
 SGD_ONLY = frozenset({"CABS", "EarlyStopping"})  # Cockpit refuses other optimisers
 LOG_KPIS = ("train_loss", "valid_loss", "test_loss", "train_accuracy", "valid_accuracy",
             "test_accuracy", "learning_rate")
@@ -441,15 +443,15 @@ def _cockpit_histogram(name: str, value: QuantityValue) -> dict[str, Any]:
     """Cockpit's {"hist", "edges"}: out-of-range and infinite values are counted in the
     edge bins, as Cockpit clamps them (NaN: not counted); 2-D: (gradient, parameter)
     axes."""
-    meta, counts = value.meta, np.array(value.array)
+    hist = Histogram.decode(name, value.step, value.layer, np.array(value.array), value.meta)
+    counts, meta = hist.counts, hist.meta
     if name == "GradHist1d":
-        lo, hi, n = meta["edges"]
         counts[0] += meta.get("underflow", 0) + meta.get("neginf", 0)
         counts[-1] += meta.get("overflow", 0) + meta.get("posinf", 0)
-        return {"hist": counts, "edges": np.linspace(lo, hi, int(n) + 1)}
+        return {"hist": counts, "edges": hist.edges[0]}
     for j, i, n in meta.get("clamped", []):  # outside pairs, where Cockpit counts them
         counts[j, i] += n
-    param_axis, grad_axis = (np.linspace(lo, hi, int(n) + 1) for lo, hi, n in meta["edges"])
+    param_axis, grad_axis = hist.edges
     return {"hist": counts.T.copy(), "edges": (grad_axis, param_axis)}
 
 

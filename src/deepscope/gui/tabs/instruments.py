@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 from dash import Input, Output, html
 
+from ... import catalogue
 from .. import ids
 from ..axes import series_figure
 from ..data import ProjectData, RunData
@@ -36,30 +37,22 @@ class Panel:
     right: tuple[str, ...] = ()
     markers: bool = False
     height: int = 240  # pixels; panels whose quantities may need one axis each are taller
+    kpis: bool = False  # the run's KPIs are drawn with its quantities
 
 
-PANELS: dict[str, Panel] = {
-    "alpha": Panel("Alpha (0: valley floor, >1: overshoot)", ("Alpha",), markers=True),
-    "distance": Panel("Distance (left), UpdateSize (right)", ("Distance", "UpdateSize"),
-                      right=("UpdateSize",)),
-    "gradnorm": Panel("Gradient norm", ("GradNorm",)),
-    "tests": Panel("Gradient tests (near 1: batch size fits)",
-                   ("NormTest", "InnerTest", "OrthoTest")),
-    "hist1d": Panel("Gradient elements (log counts)", ("GradHist1d",)),
-    "snr": Panel("GSNR, CABS, early stopping", ("MeanGSNR", "CABS", "EarlyStopping"),
-                 height=360),
-    "hessmaxev": Panel("Hessian max eigenvalue", ("HessMaxEV",)),
-    "hesstrace": Panel("Hessian trace", ("HessTrace",)),
-    "tic": Panel("Takeuchi information criterion", ("TICDiag", "TICTrace"), height=360),
-    "performance": Panel("Loss and KPIs", ("Loss",), height=360),
-}
+def panels() -> dict[str, Panel]:
+    """The Instruments panels, derived from the catalogue (its panels and which quantities
+    name each), in display order."""
+    return {key: Panel(p.title, catalogue.panel_quantities(key), p.right, p.markers, p.height,
+                      p.kpis)
+            for key, p in catalogue.PANELS.items()}
+
+
+PANELS: dict[str, Panel] = panels()
 SECTIONS: list[tuple[str, list[str]]] = [
-    ("Step size", ["alpha", "distance", "gradnorm"]),
-    ("Gradients", ["tests", "hist1d", "snr"]),
-    ("Curvature", ["hessmaxev", "hesstrace", "tic"]),
-    ("Performance", ["performance"]),
-]
-PER_LAYER = ("GradNorm", "Distance", "UpdateSize", "HessTrace", "TICDiag")
+    (section, [k for k, p in catalogue.PANELS.items() if p.section == section])
+    for section in dict.fromkeys(p.section for p in catalogue.PANELS.values())]
+PER_LAYER = catalogue.per_layer()
 
 
 def _series(rd: RunData, name: str, layer: str) -> tuple[pd.DataFrame, str]:
@@ -95,7 +88,7 @@ def render_panel(rd: RunData, panel: Panel, layer: str) -> Figure:
         if rows["value"].notna().sum() == 0:
             reason = _missing_reason(rows)
             missing.append(f"{name} (no value{': ' + reason if reason else ''})")
-    if panel is PANELS["performance"]:
+    if panel.kpis:
         left += _kpi_traces(rd, start=len(left) + len(right))
     if not left and not right:
         return message_figure(f"{', '.join(panel.names)}: not tracked in this run",
@@ -127,17 +120,13 @@ def _histogram_panel(rd: RunData, panel: Panel, layer: str) -> Figure:
     found, outside = [], 0
     with rd.reading() as run:
         for step in steps:
-            try:
-                counts, meta = run.histogram("GradHist1d", int(step), used)
-            except KeyError:  # recorded as missing at this step (the reason is in its meta)
+            hist = run.histogram("GradHist1d", int(step), used, missing_ok=True)
+            if hist.missing:  # recorded as missing at this step (the reason is in its meta)
                 continue
-            lo, hi, bins = meta["edges"]
-            if counts.size != bins:
-                raise ValueError(f"GradHist1d at step {step}: {counts.size} counts for "
-                                 f"{bins} bins")
-            found.append((int(step), float(lo), float(hi), counts.astype(float)))
-            outside += sum(int(meta.get(k, 0) or 0)
-                           for k in ("underflow", "overflow", "nan", "posinf", "neginf"))
+            (edges,) = hist.edges  # (the reader checked the counts against the edges)
+            found.append((int(step), float(edges[0]), float(edges[-1]),
+                          hist.counts.astype(float)))
+            outside += hist.outside
     if not found:
         return message_figure("GradHist1d: recorded, but no histogram was computed",
                               panel.title, height=240)
@@ -184,7 +173,7 @@ def section_warnings(rd: RunData) -> list[list[str]]:
 def layer_options(rd: RunData) -> list[dict[str, str]]:
     """Whole model plus every layer any per-layer quantity recorded."""
     layers: set[str] = set()
-    for name in PER_LAYER:
+    for name in catalogue.per_layer():
         layers.update(rd.quantities(name)["layer"])
     layers.discard("")
     return [{"label": "whole model", "value": ""}] + [{"label": x, "value": x}

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...catalogue import needing
 from ...hookstate import paused
 from ..base import describe
-from ..config import NEEDS_DIAGONAL, NEEDS_HESSIAN
 from ..curvature import Estimate, HessianOperator, OverBudget, exact_diagonal
 from .curvature import (
     EXACT_MAX_DIM,
@@ -77,7 +77,7 @@ class CurvatureRunner:
         """The curvature of the `due` quantities at `step` from the mean loss (its graph
         still alive): ({"diagonal": per tensor, "traces": (K + 1,), "diagonal_meta": {...},
         "max_ev": (value, meta)}, whichever were computed; quantity -> reason it failed)."""
-        due = due & NEEDS_HESSIAN
+        due = due & needing("hessian")
         curvature: dict[str, Any] = {}
         failed: dict[str, str] = {}
         seed = (self.seed + step) % 2**31  # fresh probes each step, reproducibly
@@ -89,7 +89,7 @@ class CurvatureRunner:
             one_by_one = 1 if mean_loss.device.type == "cpu" and dim >= CPU_PLAIN_HVP_DIM else None
             with paused(), HessianOperator(mean_loss, params, one_by_one,
                                            batched=self._hvp_batched) as op:
-                if due & NEEDS_DIAGONAL:
+                if due & needing("diagonal"):
                     try:
                         diagonal, choice = self._diagonal(op, seed, step, forward_s)
                         curvature["diagonal"] = op.split(diagonal.value)
@@ -98,7 +98,7 @@ class CurvatureRunner:
                             "estimator": diagonal.estimator, "samples": diagonal.samples,
                             **({"choice": choice} if choice else {})}
                     except Exception as error:
-                        failed.update(dict.fromkeys(due & NEEDS_DIAGONAL, describe(error)))
+                        failed.update(dict.fromkeys(due & needing("diagonal"), describe(error)))
                 if "HessMaxEV" in due:
                     try:
                         curvature["max_ev"] = hess_max_ev(op, self.lanczos_iter, seed)
@@ -118,7 +118,7 @@ class CurvatureRunner:
         earlier ones (`previous`, `before` samples): the mean loss's Hessian over all samples
         is the sample-weighted mean of theirs, and the diagonal estimates are linear in it
         (with the same probes); the top eigenvalue is not. Returns (merged, failed)."""
-        due = due & NEEDS_HESSIAN
+        due = due & needing("hessian")
         failed: dict[str, str] = {}
         if "HessMaxEV" in due:
             failed["HessMaxEV"] = (
@@ -128,7 +128,7 @@ class CurvatureRunner:
         if "diagonal" not in previous or "diagonal" not in current:
             return {}, failed  # the failing micro-batch's reason is in the failures already
         if previous["diagonal_meta"] != current["diagonal_meta"]:
-            failed.update(dict.fromkeys(due & NEEDS_DIAGONAL, (
+            failed.update(dict.fromkeys(due & needing("diagonal"), (
                 "the micro-batches' Hessian diagonals were estimated differently "
                 f"({previous['diagonal_meta']} and {current['diagonal_meta']})")))
             return {}, failed

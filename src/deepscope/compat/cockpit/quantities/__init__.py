@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from .... import catalogue
 from ....instruments.histograms import Bins
 from ..utils.schedules import linear
 from .bin_adaptation import BinAdaptation, NoAdaptation
@@ -56,8 +57,9 @@ class Quantity:
 
     @property
     def name(self) -> str:
-        """The quantity's name in deepscope's store (its Cockpit class name)."""
-        return type(self).__name__
+        """The quantity's name in deepscope's store: the catalogue's quantity Cockpit calls
+        by this class name (the class name where the catalogue has none: Parameters, Time)."""
+        return catalogue.by_cockpit(type(self).__name__) or type(self).__name__
 
     def should_compute(self, global_step: int) -> bool:
         """Whether this quantity is computed at `global_step`."""
