@@ -216,28 +216,33 @@ def register(app: dash.Dash, project: ProjectData) -> None:
     inputs = [Input(ids.TABS, "value"), Input(ids.RUN, "value"), Input("inst-layer", "value"),
               Input(ids.VERSION_SLOW, "data")]
 
-    # The layer selector is this callback's input and output (Dash allows that within one
-    # callback): its options come in the same round trip as the panels.
-    @app.callback(Output("inst-layer", "options"), Output("inst-layer", "value"),
-                  *[Output(f"inst-{k}", "figure") for k in PANELS],
+    @app.callback(Output("inst-layer", "options"), Output("inst-layer", "value"), *inputs,
+                  State(DRAWN, "data"))
+    def _layers(tab: str, run: str | None, layer: str | None, version: Any,
+                drawn: list | None) -> tuple:
+        if tab != VALUE or not run or drawn == _key(run, layer or "", version):
+            raise dash.exceptions.PreventUpdate
+        options = layer_options(project.run(run))
+        valid = {o["value"] for o in options}
+        return options, layer if layer in valid else ""
+
+    @app.callback(*[Output(f"inst-{k}", "figure") for k in PANELS],
                   *[Output(f"inst-warnings-{i}", "children") for i in range(len(SECTIONS))],
                   Output(DRAWN, "data"), *inputs, State(DRAWN, "data"))
     def _draw(tab: str, run: str | None, layer: str | None, version: Any,
               drawn: list | None) -> tuple:
-        if tab != VALUE or not run or drawn == _key(run, layer or "", version):
+        key = _key(run or "", layer or "", version)
+        if tab != VALUE or not run or drawn == key:
             raise dash.exceptions.PreventUpdate
         rd = project.run(run)
-        options = contained(lambda: layer_options(rd),
-                            lambda _msg: [{"label": "whole model", "value": ""}], "layers")
-        layer = layer if layer in {o["value"] for o in options} else ""
-        figures = [contained(lambda p=p: render_panel(rd, p, layer),
+        figures = [contained(lambda p=p: render_panel(rd, p, layer or ""),
                              lambda msg, p=p: error_figure(msg, p.title, p.height), p.title)
                    for p in PANELS.values()]
         warnings = contained(
             lambda: [[html.P(line) for line in lines] for lines in section_warnings(rd)],
             lambda msg: [[error_box(f"warnings: {msg}")]] + [[] for _ in SECTIONS[1:]],
             "warnings")
-        return (options, layer, *figures, *warnings, _key(run, layer, version))
+        return (*figures, *warnings, key)
 
 
 TAB = Tab("Instruments", VALUE, layout, register, stores=(DRAWN,))
