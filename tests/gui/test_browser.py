@@ -247,6 +247,25 @@ def test_a_failing_panel_or_run_shows_its_error_and_the_rest_still_works(
     page.wait_for_selector("#stats-table table[data-tensor=hidden]")
 
 
+def test_a_failing_instrument_panel_shows_its_error_and_the_others_draw(
+        page, monkeypatch: pytest.MonkeyPatch) -> None:
+    """All Instruments panels are drawn by one callback: one panel's failure stays in it."""
+    from deepscope.gui.tabs import instruments
+
+    plain = instruments.render_panel
+
+    def render(rd: object, panel: instruments.Panel, layer: str) -> object:
+        if panel.title == instruments.PANELS["gradnorm"].title:
+            raise RuntimeError("simulated failure")
+        return plain(rd, panel, layer)
+    monkeypatch.setattr(instruments, "render_panel", render)
+    page.click("text=Instruments")
+    failed = wait_figure(page, "inst-gradnorm", "gd.layout.annotations")
+    assert "simulated failure" in failed["layout"]["annotations"][0]["text"]
+    tests = wait_figure(page, "inst-tests", "gd.data.length === 3")
+    assert {t["name"] for t in tests["data"]} == {"NormTest", "InnerTest", "OrthoTest"}
+
+
 def test_new_steps_and_structures_appear_without_reload(browser, tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = Net()

@@ -1,6 +1,6 @@
 """The Instruments tab: a Cockpit-like dashboard of training-dynamics quantities.
 
-One plotly panel per instrument, each its own callback so a failing or missing quantity only
+One plotly panel per instrument, all drawn by one callback; a failing or missing quantity only
 affects its own panel. A quantity the run did not record says "not tracked".
 """
 
@@ -12,20 +12,21 @@ from typing import Any
 import dash
 import numpy as np
 import pandas as pd
-from dash import Input, Output, html
+from dash import Input, Output, State, html
 
 from ... import catalogue
 from .. import ids
 from ..axes import series_figure
 from ..data import ProjectData, RunData
 from ..figures import Figure, base_layout, line_trace, message_figure, note
-from ..guard import error_box, figure_guard, guard
+from ..guard import contained, error_box, error_figure
 from ..widgets import chart, dropdown, labelled
 from . import Tab
 
 VALUE = "instruments"
 MAX_HIST_STEPS = 300  # columns of the gradient-histogram heatmap; more steps are thinned
 MAX_HIST_BINS = 400   # rows of the common grid (the finest recorded bin width, up to this)
+DRAWN = "inst-drawn"  # store: the run, layer and run version the panels show
 
 
 @dataclass(frozen=True)
@@ -199,40 +200,49 @@ def layout(_run_options: list[dict[str, str]]) -> html.Div:
     ], className="instruments")
 
 
+def _key(run: str, layer: str, version: Any) -> list[Any]:
+    """What the drawn panels show: redrawn only when this changes (not on every tab visit)."""
+    return [run, layer, (version or {}).get("versions", {}).get(run)]
+
+
 def register(app: dash.Dash, project: ProjectData) -> None:
-    """Callbacks of the Instruments tab; they run only while the tab is shown."""
+    """Callbacks of the Instruments tab; they run only while the tab is shown.
+
+    All panels and the warnings are one callback: one request and one render pass per change
+    (one request per panel made the browser's rendering, not the server, the bottleneck); a
+    panel that fails still shows its own error. Coming back to the tab with nothing changed
+    redraws nothing: the charts keep their figures.
+    """
     inputs = [Input(ids.TABS, "value"), Input(ids.RUN, "value"), Input("inst-layer", "value"),
               Input(ids.VERSION_SLOW, "data")]
 
-    @app.callback(Output("inst-layer", "options"), Output("inst-layer", "value"), *inputs)
-    def _layers(tab: str, run: str | None, layer: str | None, _v: Any) -> tuple:
-        if tab != VALUE or not run:
+    @app.callback(Output("inst-layer", "options"), Output("inst-layer", "value"), *inputs,
+                  State(DRAWN, "data"))
+    def _layers(tab: str, run: str | None, layer: str | None, version: Any,
+                drawn: list | None) -> tuple:
+        if tab != VALUE or not run or drawn == _key(run, layer or "", version):
             raise dash.exceptions.PreventUpdate
         options = layer_options(project.run(run))
         valid = {o["value"] for o in options}
         return options, layer if layer in valid else ""
 
-    for key, panel in PANELS.items():
-        _register_panel(app, project, key, panel, inputs)
-
-    @app.callback([Output(f"inst-warnings-{i}", "children") for i in range(len(SECTIONS))],
-                  Input(ids.TABS, "value"), Input(ids.RUN, "value"),
-                  Input(ids.VERSION_SLOW, "data"))
-    @guard(lambda msg: [[error_box(f"warnings: {msg}")]] + [[] for _ in SECTIONS[1:]])
-    def _warnings(tab: str, run: str | None, _v: Any) -> list[list[html.P]]:
-        if tab != VALUE or not run:
+    @app.callback(*[Output(f"inst-{k}", "figure") for k in PANELS],
+                  *[Output(f"inst-warnings-{i}", "children") for i in range(len(SECTIONS))],
+                  Output(DRAWN, "data"), *inputs, State(DRAWN, "data"))
+    def _draw(tab: str, run: str | None, layer: str | None, version: Any,
+              drawn: list | None) -> tuple:
+        key = _key(run or "", layer or "", version)
+        if tab != VALUE or not run or drawn == key:
             raise dash.exceptions.PreventUpdate
-        return [[html.P(line) for line in lines] for lines in section_warnings(project.run(run))]
+        rd = project.run(run)
+        figures = [contained(lambda p=p: render_panel(rd, p, layer or ""),
+                             lambda msg, p=p: error_figure(msg, p.title, p.height), p.title)
+                   for p in PANELS.values()]
+        warnings = contained(
+            lambda: [[html.P(line) for line in lines] for lines in section_warnings(rd)],
+            lambda msg: [[error_box(f"warnings: {msg}")]] + [[] for _ in SECTIONS[1:]],
+            "warnings")
+        return (*figures, *warnings, key)
 
 
-def _register_panel(app: dash.Dash, project: ProjectData, key: str, panel: Panel,
-                    inputs: list[Input]) -> None:
-    @app.callback(Output(f"inst-{key}", "figure"), *inputs)
-    @figure_guard(panel.title, height=panel.height)
-    def _panel(tab: str, run: str | None, layer: str | None, _v: Any) -> Figure:
-        if tab != VALUE or not run:
-            raise dash.exceptions.PreventUpdate
-        return render_panel(project.run(run), panel, layer or "")
-
-
-TAB = Tab("Instruments", VALUE, layout, register)
+TAB = Tab("Instruments", VALUE, layout, register, stores=(DRAWN,))
