@@ -118,6 +118,18 @@ def test_a_crafted_warnings_table_is_refused(tmp_path: Path) -> None:
         deepscope.open_run(tmp_path / "r").warnings()
 
 
+def test_a_warning_message_stored_as_bytes_is_refused_in_one_line(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    record(tmp_path, batchnorm_model(), steps=1)
+    con = sqlite3.connect(tmp_path / "r" / "rank0.sqlite")
+    con.execute("UPDATE warnings SET message = x'1b5b324a'")  # a BLOB: ESC[2J
+    con.commit()
+    con.close()
+    with pytest.raises(CorruptRunError, match="warnings.message") as info:
+        deepscope.open_run(tmp_path / "r").warnings()
+    assert "\n" not in str(info.value)
+
+
 def test_a_resumed_run_stores_each_warning_once(tmp_path: Path) -> None:
     model = batchnorm_model()
     record(tmp_path, model, steps=2)

@@ -409,7 +409,8 @@ class Run:
                 raise CorruptRunError(f"{r.path}: stored warning quantities are not a list of "
                                       "names; the file is damaged")
             records.append((step, location, names, message))
-        return pd.DataFrame(records, columns=columns)
+        return checks.table(pd.DataFrame(records, columns=columns), "warnings", r.path,
+                            texts_=["location", "message"])
 
 
 def open_run(path: str | Path) -> Run:
