@@ -53,6 +53,24 @@ def wait_graph(page) -> None:
                            "document.querySelectorAll('.node-btn').length > 0", timeout=20_000)
 
 
+def node_names(page) -> list[str]:
+    """The nodes the page lists (the keyboard-accessible node buttons)."""
+    return page.eval_on_selector_all(".node-btn", "bs => bs.map(b => b.dataset.node)")
+
+
+def open_graph(browser, url: str):
+    """A 1600×1000 page on `url` with its graph drawn: (context, page); close the context."""
+    context = browser.new_context(viewport={"width": 1600, "height": 1000})
+    try:
+        page = context.new_page()
+        page.goto(url)
+        wait_graph(page)
+    except BaseException:
+        context.close()
+        raise
+    return context, page
+
+
 def figure(page, graph_id: str) -> dict:
     """data and layout of a plotly chart as drawn in the page."""
     return page.evaluate("(id) => { const gd = document.querySelector('#' + id + "
@@ -83,8 +101,7 @@ def test_graph_renders_fits_the_window_and_uses_only_local_assets(page) -> None:
     labels = page.evaluate("window.cy.nodes().map(n => n.data('label'))")
     assert set(labels) >= {"input", "pre  [2]", "hidden", "out  [2]", "output",
                            "loss  [2]", "target"}
-    buttons = page.eval_on_selector_all(".node-btn", "bs => bs.map(b => b.dataset.node)")
-    assert set(buttons) == {"input", "pre", "hidden", "out", "output", "loss", "target"}
+    assert set(node_names(page)) == {"input", "pre", "hidden", "out", "output", "loss", "target"}
     # nothing overflows a 1600 px window, and the fitted graph lies inside its box
     assert page.evaluate("document.documentElement.scrollWidth") <= WIDTH
     box = page.eval_on_selector("#graph", "e => e.getBoundingClientRect().toJSON()")

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from benchmarks.curvature_choice import cnn  # the benchmark's model: one definition
 from deepscope.instruments import suite
 from deepscope.instruments.curvature import HessianOperator, OverBudget, exact_diagonal
 from deepscope.instruments.quantities import EXACT_MAX_DIM, choose_diagonal
@@ -35,14 +36,6 @@ def test_choice_by_cost() -> None:
     # too many parameters: not even timed
     mode, why = choose_diagonal(EXACT_MAX_DIM + 1, 2, hvp_s=math.nan, forward_s=1.0)
     assert mode == "hutchinson" and f"more than {EXACT_MAX_DIM}" in why
-
-
-def cnn() -> nn.Module:
-    """2,458 parameters; one HVP costs several of its training steps."""
-    return nn.Sequential(
-        nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
-        nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
 
 
 def mlp() -> nn.Module:

@@ -162,17 +162,13 @@ def test_pytorch_lightning_namespace(tmp_path):
 @pytest.mark.browser
 def test_lightning_run_opens_in_the_gui(pl, module_class, tmp_path, browser):
     from tests.gui.conftest import start_server
-    from tests.gui.test_browser import wait_graph
+    from tests.gui.test_browser import node_names, open_graph
     torch.manual_seed(0)
     _fit(pl, module_class(), tmp_path, "lightning", 1)
     url, server = start_server(tmp_path)
-    context = browser.new_context(viewport={"width": 1600, "height": 1000})
+    context, page = open_graph(browser, url)
     try:
-        page = context.new_page()
-        page.goto(url)
-        wait_graph(page)
-        nodes = page.eval_on_selector_all(".node-btn", "bs => bs.map(b => b.dataset.node)")
-        assert {"net.0", "net.2", "loss"} <= set(nodes)
+        assert {"net.0", "net.2", "loss"} <= set(node_names(page))
     finally:
         context.close()
         server.shutdown()
