@@ -112,3 +112,16 @@ def test_the_graph_links_a_node_to_its_quantities_by_the_recorded_names(tmp_path
     assert _node_values(rd, sel, node_of, "q:GradNorm")[0] == {"head": pytest.approx(expected)}
     # exact: no suffix guess links "head.weight" to another model's "net.head.weight"
     assert _node_values(rd, sel, {"net.head.weight": "net"}, "q:GradNorm")[0] == {}
+
+
+def test_a_tensor_learning_rate_is_logged_as_at_the_start_of_each_step(tmp_path):
+    """A tensor lr (capturable optimisers) is copied at the step's start, not read there."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.5))
+    with deepscope.Scope(tmp_path, "r", schedule=deepscope.never, anomalies=False) as scope:
+        scope.watch(model, optimizer=opt)
+        for step in range(2):
+            with scope.step(step):
+                opt.param_groups[0]["lr"].mul_(0.5)  # changed in place during the step
+    lrs = deepscope.open_run(tmp_path / "r").kpis("learning_rate")["value"].tolist()
+    assert lrs == [0.5, 0.25]

@@ -120,7 +120,7 @@ class Scope:
         self.instruments: Any = None
         self.monitor: Any = None
         self._optimizer: torch.optim.Optimizer | None = None  # its lr is logged as a KPI
-        self._step_lr: float | None = None  # that lr at the start of the current step
+        self._step_lr: float | torch.Tensor | None = None  # that lr at the current step's start
         if anomalies not in (None, False, True, "check", "trace"):
             raise ValueError(f"anomalies must be 'check', 'trace' or False, not {anomalies!r}")
         self._anomalies = "check" if anomalies is True else (anomalies or None)
@@ -305,7 +305,10 @@ class Scope:
         self._step_lr = None
         if self._optimizer is not None:  # the rate this step's update uses
             try:
-                self._step_lr = float(self._optimizer.param_groups[0]["lr"])
+                lr = self._optimizer.param_groups[0]["lr"]
+                # a tensor lr (capturable optimisers) is copied, not read: no host sync here
+                self._step_lr = (lr.detach().clone() if isinstance(lr, torch.Tensor)
+                                 and lr.numel() == 1 else float(lr))
             except (KeyError, IndexError, TypeError, ValueError):
                 pass  # an optimiser without one plain learning rate: nothing to log
         if rec.recording and self._guard(rec._start) is _FAILED:
