@@ -26,6 +26,9 @@ class QuantityValue:
     array:  histogram counts or another array (float64 / int64), else None.
     meta:   JSON-serialisable extras: estimator, samples, edges, under/overflow,
             nan/posinf/neginf counts, reason for a missing value.
+    local:  True for a value of this rank's own micro-batch in a distributed run (its local
+            loss, its pre-sync gradient norm, its batch size), stored in the rank's
+            `local_quantities` table; False for a value of the global batch.
     """
 
     name: str
@@ -34,6 +37,7 @@ class QuantityValue:
     value: float | None = None
     array: np.ndarray | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    local: bool = False
 
 
 @dataclass(frozen=True)

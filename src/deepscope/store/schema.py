@@ -76,8 +76,14 @@ CREATE TABLE IF NOT EXISTS anomalies (
 CREATE TABLE IF NOT EXISTS warnings (
     id INTEGER PRIMARY KEY, step INTEGER, location TEXT NOT NULL, quantities TEXT NOT NULL,
     message TEXT NOT NULL);
+-- Added within schema version 2: a distributed run's values of this rank's own micro-batch
+-- (local loss, pre-sync gradient norm, batch size), beside the global ones in `quantities`
+-- (written by rank 0 only).
+CREATE TABLE IF NOT EXISTS local_quantities (
+    name TEXT NOT NULL, layer TEXT NOT NULL, step INTEGER NOT NULL, value REAL,
+    meta TEXT NOT NULL, PRIMARY KEY (name, layer, step));
 """
 
 # Tables added after their schema version was first released: older files of that version
 # lack them, so a reader checks them only where present and reads them as empty otherwise.
-OPTIONAL_TABLES: frozenset[str] = frozenset({"warnings"})
+OPTIONAL_TABLES: frozenset[str] = frozenset({"warnings", "local_quantities"})

@@ -559,10 +559,11 @@ class StoreWriter:
     def _write_quantities(self, values: list[QuantityValue]) -> None:
         con = self._con
         for q in values:
-            con.execute("INSERT OR REPLACE INTO quantities VALUES (?, ?, ?, ?, ?)",
+            table = "local_quantities" if q.local else "quantities"
+            con.execute(f"INSERT OR REPLACE INTO {table} VALUES (?, ?, ?, ?, ?)",
                         (q.name, q.layer, q.step, _to_float(q.value),
                          json.dumps(q.meta, default=_json_default)))
-            if q.array is not None:
+            if q.array is not None and not q.local:
                 dtype, shape, data = arrays.encode(np.asarray(q.array))
                 con.execute("INSERT OR REPLACE INTO quantity_arrays VALUES (?, ?, ?, ?, ?, ?)",
                             (q.name, q.layer, q.step, dtype, shape, data))
