@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..query import Project, Run
+from ..query.ranks import describe as describe_ranks
 from ..store.layout import is_run_dir
 
 # Where each finding can be inspected in `deepscope serve` (tab names as the GUI shows them).
@@ -53,6 +54,8 @@ def _run_report(run: Run, rank: int, limit: int) -> str:
 def _findings_report(run: Run, rank: int, limit: int) -> str:
     found = run.anomalies(rank)
     head = f"run {run.name} ({run.path}, rank {rank})"
+    if ranks := describe_ranks(run):
+        head += f" [{ranks}]"
     if found.empty:
         return (f"{head}: no anomalies recorded.\n  (Findings come from "
                 "deepscope.Scope(..., anomalies=True); none means every checked step was "

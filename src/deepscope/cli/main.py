@@ -14,6 +14,7 @@ from ..errors import DeepscopeError
 from ..export.cli import export
 from ..gui.cli import serve_cmd
 from ..query import Project, Run
+from ..query.ranks import describe as describe_ranks
 from ..store.layout import is_run_dir
 from .text import SafeStream, clean
 from .verbs import Verb, verb
@@ -44,6 +45,8 @@ def ls(args: argparse.Namespace) -> int:
             first, last = (steps[0], steps[-1]) if steps else ("-", "-")
             print(f"{name:<24} {len(steps):>9} {first!s:>7} {last!s:>7} {kpi_steps:>9} "
                   f"{_cut(kinds, 20):<20} {_size(run.size_bytes()):>9}")
+            if line := describe_ranks(run):  # a distributed run's ranks, one line
+                print(f"  {clean(line)}")
         finally:
             run.close()
     return 0

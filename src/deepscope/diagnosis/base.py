@@ -122,7 +122,9 @@ class Evidence:
 
     @cached_property
     def quantities(self) -> pd.DataFrame:
-        return self.run.quantities(rank=self.rank)
+        # rank 0's diagnosis reads the global values (a distributed run's rank 0 keeps its
+        # own micro-batch's apart); another rank's, its own
+        return self.run.quantities(rank=None if self.rank == 0 else self.rank)
 
     def quantity(self, name: str, layer: str = "") -> pd.Series:
         """One instrument's finite values by step (empty if not recorded)."""

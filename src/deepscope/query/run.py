@@ -2,24 +2,29 @@
 
 from __future__ import annotations
 
+import warnings as _warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
 
 from .. import catalogue
-from ..errors import CorruptRunError
+from ..errors import CorruptRunError, DeepscopeWarning
 from ..store.layout import check_links, rank_files
 from ..store.reader import StoreReader
-from ..store.schema import STAT_COLUMNS
+from ..store.schema import OPTIONAL_TABLES, STAT_COLUMNS
 from ..suggest import did_you_mean
-from . import checks
+from . import checks, merge, ranks
 from .histogram import Histogram
 
 DIRECTIONS = ("forward", "grad")
 # What the GUI calls a direction, accepted by every `direction=` argument.
 DIRECTION_ALIASES = {"gradient": "grad"}
+# rank= of the methods that read several ranks: one rank, every rank (a `rank` column) or the
+# global batch combined from them
+RankChoice = int | Literal["merged", "all"]
 
 
 def check_direction(direction: str) -> str:
@@ -36,8 +41,11 @@ def check_direction(direction: str) -> str:
 class Run:
     """One run folder (`project/run`), one database per rank.
 
-    Every method takes `rank=` (default 0). Methods return fresh data on each call, so a
-    reader sees steps appear while a writer records (committed steps only).
+    Every method takes `rank=`: most default to rank 0; `stats` / `stats_wide` default to
+    the global batch merged from every rank, `quantities` to the global values, `samples`,
+    `warnings` and `anomalies` to every rank (see docs/distributed.md, "Reading"). Methods
+    return fresh data on each call, so a reader sees steps appear while a writer records
+    (committed steps only).
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -50,15 +58,97 @@ class Run:
         self.name = self.path.name
         self._files = files
         self._readers: dict[int, StoreReader] = {}
+        self._manifest: tuple[tuple, ranks.Manifest] | None = None
+
+    # --- ranks ----------------------------------------------------------------------------
+    def manifest(self) -> ranks.Manifest:
+        """The run's ranks as its files say (checked; see `query.ranks`). Rank files that
+        appeared since the last call are read; each one left out is warned about once."""
+        files = rank_files(self.path)
+        key = tuple(files.items())
+        if self._manifest is None or self._manifest[0] != key:
+            for rank in set(self._files) - set(files):  # a file removed: forget its reader
+                reader = self._readers.pop(rank, None)
+                if reader is not None:
+                    reader.close()
+            self._files = files or self._files
+            metas: dict[int, Any] = {}
+            for rank in self._files:
+                try:
+                    metas[rank] = self._r(rank).meta()
+                except CorruptRunError as exc:
+                    metas[rank] = exc
+            built = ranks.build(metas, self._files)
+            known = self._manifest[1].problems if self._manifest else {}
+            ranks.warn_left_out(self._files, {r: why for r, why in built.problems.items()
+                                              if known.get(r) != why})
+            self._manifest = (key, built)
+        return self._manifest[1]
 
     @property
     def ranks(self) -> list[int]:
-        """The process ranks that wrote this run (one database each), ascending."""
-        return list(self._files)
+        """The ranks with a readable file that belongs to this run, ascending (a rank file of
+        another run, or a damaged one, is left out with a warning: see `rank_status`)."""
+        return list(self.manifest().ranks)
+
+    @property
+    def world_size(self) -> int:
+        """The number of processes that recorded the run (its manifest; 1 for a
+        single-process run)."""
+        return self.manifest().world_size
+
+    def rank_status(self) -> pd.DataFrame:
+        """One row per rank (every rank below the world size, and any other rank file):
+        rank; status ("missing": no file, "left out": a file refused (unreadable, or of
+        another run), else `status(rank)`: recording / finished / interrupted: ... /
+        crashed / unknown); steps (recorded steps); last_step (the highest step with data,
+        recorded or a KPI; <NA> without one); problem ("" when none, else why, one line)."""
+        m = self.manifest()
+        rows = []
+        for rank in sorted(set(range(m.world_size)) | set(self._files)):
+            if rank in m.ranks:
+                status = self.status(rank)
+                r = self._r(rank)
+                (steps,), = r.query("SELECT COUNT(*) FROM steps")
+                (last,), = r.query("SELECT MAX(s) FROM (SELECT MAX(step) s FROM steps "
+                                   "UNION ALL SELECT MAX(step) FROM kpis)")
+                problem = {"crashed": "its writer stopped without closing the file (killed?): "
+                           f"the steps it committed, up to {last}, are readable"}.get(status, "")
+                if status.startswith("interrupted"):
+                    problem = "training stopped by an exception (see status)"
+            elif rank in m.problems:
+                status, steps, last, problem = "left out", 0, None, m.problems[rank]
+            else:
+                status, steps, last = "missing", 0, None
+                problem = (f"no file rank{rank}.sqlite: the rank never wrote, or its file was "
+                           "removed")
+            rows.append((rank, status, steps, last, problem))
+        df = pd.DataFrame(rows, columns=["rank", "status", "steps", "last_step", "problem"])
+        checks.integers(df["steps"], "steps", "count", self.path)
+        df["last_step"] = df["last_step"].astype("Int64")
+        return df
+
+    def _several(self) -> bool:
+        """Whether tables of every rank get a `rank` column (several processes or files)."""
+        m = self.manifest()
+        return m.world_size > 1 or len(m.ranks) > 1
+
+    def _choose(self, rank: RankChoice) -> list[int] | None:
+        """The ranks `rank=` reads: [rank] for an int, every readable rank for "all", None for
+        "merged" (the caller merges)."""
+        if rank in ("merged", "all"):
+            return None if rank == "merged" else self.ranks
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise ValueError(f"rank must be a rank number, 'merged' or 'all', not {rank!r}")
+        why = self.manifest().problems.get(rank)
+        if why:
+            raise CorruptRunError(f"{self._files[rank]} is left out of run {self.name!r}: "
+                                  f"{why}; read rank {rank}'s file as its own run")
+        return [rank]
 
     def _r(self, rank: int) -> StoreReader:
         if rank not in self._files:
-            raise ValueError(f"run {self.name!r} has no rank {rank}; ranks: {self.ranks}")
+            raise ValueError(f"run {self.name!r} has no rank {rank}; ranks: {list(self._files)}")
         reader = self._readers.get(rank)
         if reader is None:
             reader = self._readers[rank] = StoreReader(self._files[rank])
@@ -163,16 +253,74 @@ class Run:
     # --- tensor records -------------------------------------------------------------------
     def stats_wide(self, tensor: str | None = None, *, direction: str | None = None,
                    step: int | None = None, iteration: int | None = None,
-                   kind: str | None = None, rank: int = 0) -> pd.DataFrame:
+                   kind: str | None = None, rank: RankChoice = "merged") -> pd.DataFrame:
         """Statistics with one column per statistic (see `STAT_COLUMNS`), one row per record.
+
+        rank: "merged" (default): statistics of the global batch, each record combined
+        exactly from every rank's record of the same step / iteration / direction (see
+        docs/distributed.md): tensors with a batch dimension are merged (needing a record
+        from every rank of the world size, else NaN with a warning); the others
+        (parameters and their gradients, the same on every rank after DDP's sync) are rank
+        0's (the lowest readable rank's without rank 0), with a warning if the ranks'
+        records differ. sv_max cannot be merged: NaN for merged records. A single-process
+        run reads rank 0 unchanged. An int: that rank's own records. "all": every rank's
+        records, a `rank` column first.
 
         An unknown tensor or unrecorded step raises KeyError naming the closest ones.
         """
-        if tensor is not None:
-            self._check_tensor(tensor, rank)
         if direction is not None:
             direction = check_direction(direction)
-        if step is not None:
+        chosen = self._choose(rank)
+        query = (tensor, direction, step, iteration, kind)
+        if chosen is None and self.manifest().distributed is None:
+            chosen = [0]  # a single-process run: its one rank's records, unchanged
+        if rank != "all" and chosen is not None:
+            return self._stats_wide(*query, chosen[0])
+        ref = self.ranks[0]
+        frames = pd.concat([self._stats_wide(*query, r, check=r == ref)
+                           .assign(rank=r) for r in self.ranks], ignore_index=True)
+        if rank == "all":
+            return frames[["rank", *frames.columns[:-1]]]
+        return self._merged(frames)
+
+    def _merged(self, frames: pd.DataFrame) -> pd.DataFrame:
+        """The global batch's records from every rank's (see `stats_wide`)."""
+        batched: set[str] = set()
+        order: dict[str, int] = {}
+        for r in self.ranks:
+            for name, batch_dim in self._r(r).query(
+                    "SELECT name, batch_dim FROM tensors ORDER BY id"):
+                order.setdefault(name, len(order))
+                if batch_dim is not None:
+                    batched.add(name)
+        m = self.manifest()
+        out, incomplete, differing = merge.merge(frames, batched, m.world_size)
+        if incomplete:
+            absent = [r for r in range(m.world_size) if r not in m.ranks]
+            _warnings.warn(
+                f"run {self.name!r}: merged statistics of {_some(incomplete)} are NaN where a "
+                "rank has no record"
+                + (f" (rank {', '.join(map(str, absent))} has no readable file)" if absent
+                   else "")
+                + ": they would describe part of the global batch only; pass rank=<n> for "
+                "one rank's own records", DeepscopeWarning, stacklevel=3)
+        if differing:
+            _warnings.warn(
+                f"run {self.name!r}: records of {_some(differing)} (no batch dimension) "
+                f"differ between ranks; merged shows rank {self.ranks[0]}'s: pass rank='all' "
+                "to compare them", DeepscopeWarning, stacklevel=3)
+        out["_order"] = out["tensor"].map(order)
+        return (out.sort_values(["step", "iteration", "_order", "direction"], kind="stable")
+                .drop(columns="_order").reset_index(drop=True))
+
+    def _stats_wide(self, tensor: str | None, direction: str | None, step: int | None,
+                    iteration: int | None, kind: str | None, rank: int,
+                    check: bool = True) -> pd.DataFrame:
+        """One rank's records; `check`: an unknown tensor or step is a KeyError (else: no
+        rows, for a rank that has no record of it)."""
+        if tensor is not None and check:
+            self._check_tensor(tensor, rank)
+        if step is not None and check:
             self._check_step(step, rank)
         where, args = [], []
         for col, val in (("t.name", tensor), ("r.direction", direction), ("r.step", step),
@@ -196,11 +344,13 @@ class Run:
     def stats(self, tensor: str | None = None, *, direction: str | None = None,
               statistic: str | None = None, step: int | None = None,
               iteration: int | None = None, kind: str | None = None,
-              rank: int = 0) -> pd.DataFrame:
-        """Long table: step, iteration, tensor, direction, statistic, value.
+              rank: RankChoice = "merged") -> pd.DataFrame:
+        """Long table: step, iteration, tensor, direction, statistic, value (rank="all": a
+        `rank` column first).
 
         direction: "forward", "grad" (or "gradient"), or "grad:<group>" for
-        `rec.gradients(group)` snapshots.
+        `rec.gradients(group)` snapshots. rank: "merged" (default: the global batch), a rank
+        number or "all", as for `stats_wide`.
         """
         if statistic is not None and statistic not in STAT_COLUMNS:
             raise ValueError(f"unknown statistic {statistic!r}; use one of "
@@ -208,8 +358,8 @@ class Run:
         wide = self.stats_wide(tensor, direction=direction, step=step, iteration=iteration,
                                kind=kind, rank=rank)
         cols = [statistic] if statistic else list(STAT_COLUMNS)
-        return wide.melt(id_vars=["step", "iteration", "tensor", "direction"], value_vars=cols,
-                         var_name="statistic", value_name="value")
+        ids = [c for c in wide.columns if c not in STAT_COLUMNS]
+        return wide.melt(id_vars=ids, value_vars=cols, var_name="statistic", value_name="value")
 
     def views(self, tensor: str, step: int, *, iteration: int = 0,
               direction: str = "forward", rank: int = 0) -> list[str]:
@@ -249,6 +399,73 @@ class Run:
                            f"iteration {iteration}; stored views: {have or 'none'}")
         dtype, shape, part, offset, nbytes = rows[0]
         return r.decode_slice(dtype, shape, offset, nbytes, r.step_part(step, part))
+
+    def samples(self, tensor: str, step: int, *, view: str = "sample_mean",
+                iteration: int = 0, direction: str = "forward",
+                rank: RankChoice = "all") -> pd.DataFrame:
+        """One row per stored batch item of a tensor record: rank, sample (the item's index
+        in the global batch: the concatenation of the ranks' micro-batches in rank order),
+        local_sample (its index in its rank's micro-batch), global_index (False where the
+        global index is unknown: then `sample` is the local index, with a warning), value.
+
+        view: sample_mean / sample_std / sample_abs_max (value: a float over the item's
+        elements) or samples (value: the item's stored values, an array). The global index
+        adds the "BatchSize" local values of the lower ranks at that step; it is unknown when
+        one of them was not recorded (a missing rank, a recorder that did not store it) or
+        the step has several micro-batches (iterations). rank: "all" or "merged" (default:
+        every rank's items) or a rank number. A single-process run's index is its own.
+        """
+        chosen = self._choose(rank) or self.ranks
+        m = self.manifest()
+        ref = self.ranks[0] if len(chosen) > 1 else chosen[0]
+        frames, local = [], []
+        for r in chosen:
+            try:
+                values = self.values(tensor, step, view=view, iteration=iteration,
+                                     direction=direction, rank=r)
+            except KeyError:
+                if r == ref:
+                    raise
+                continue  # this rank has no such record (crashed before it): no items
+            offset = self._sample_offset(r, step) if m.distributed is not None else 0
+            if offset is None:
+                local.append(r)
+            items = range(len(values))
+            frames.append(pd.DataFrame({
+                "rank": r, "sample": [i + (offset or 0) for i in items], "local_sample": items,
+                "global_index": offset is not None,
+                "value": list(values) if view == "samples" else values.astype(float)}))
+        if local:
+            _warnings.warn(
+                f"run {self.name!r}, step {step}: the global batch index of rank "
+                f"{', '.join(map(str, local))}'s items is unknown (a lower rank's BatchSize "
+                "was not recorded, or the step has several micro-batches): their `sample` "
+                "is the local index, global_index False", DeepscopeWarning, stacklevel=2)
+        return pd.concat(frames, ignore_index=True)
+
+    def _sample_offset(self, rank: int, step: int) -> int | None:
+        """Items of the lower ranks in the global batch at `step` (their "BatchSize" local
+        values), or None when unknown."""
+        m = self.manifest()
+        total = 0
+        for r in range(rank + 1):
+            if r not in m.ranks:
+                return None
+            reader = self._r(r)
+            rows = reader.query("SELECT iterations FROM steps WHERE step = ?", (step,))
+            if rows and rows[0][0] != 1:
+                return None  # micro-batches: BatchSize is per step, items per iteration
+            if r == rank:
+                return total
+            size = (reader.query("SELECT value FROM local_quantities WHERE name = 'BatchSize' "
+                                 "AND layer = '' AND step = ?", (step,))
+                    if "local_quantities" in reader.optional_tables else [])
+            value = size[0][0] if size else None
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                    and 0 <= value <= checks.limits.MAX_TENSOR_NUMEL and value == int(value)):
+                return None
+            total += int(value)
+        return total
 
     # --- graph ----------------------------------------------------------------------------
     def graph(self, step: int | None = None, *, kind: str | None = None, iteration: int = 0,
@@ -298,7 +515,7 @@ class Run:
                             self._r(rank).path, texts_=["text"], numbers_=["wall_time"])
 
     def quantities(self, name: str | None = None, layer: str | None = None,
-                   rank: int = 0) -> pd.DataFrame:
+                   rank: int | Literal["all"] | None = None) -> pd.DataFrame:
         """Instrument values: one row per (name, layer, step), value NaN when missing.
 
         Columns: step, name, layer ("" = whole model), value, then one column per metadata
@@ -307,30 +524,55 @@ class Run:
         the key, and last `meta`: the row's metadata as one dict, kept for code written when
         it was the only metadata column.
 
+        rank: None (default): the global values (rank 0's file holds them); a rank number:
+        that rank's local values, of its own micro-batch (a distributed run's
+        `local_quantities`: Loss, GradNorm, BatchSize; in a single-process file all its
+        values are its own, so its values as for None); "all": every rank's local values,
+        a `rank` column first.
+
         A quantity of the catalogue that was not tracked gives an empty table; another
         name, or a layer no quantity was recorded for, raises KeyError with did-you-mean.
         """
+        if rank is None:
+            return self._quantities(name, layer, 0, "quantities")
+        chosen = self.ranks if rank == "all" else self._choose(rank)
+        if rank != "all" and chosen is None:  # "merged": the global values are merged
+            return self._quantities(name, layer, 0, "quantities")
+        table = "local_quantities" if self.manifest().distributed is not None else "quantities"
+        frames = [self._quantities(name, layer, r, table) for r in chosen]
+        if rank != "all":
+            return frames[0]
+        df = pd.concat([f.assign(rank=r) for r, f in zip(chosen, frames)], ignore_index=True)
+        first = ["rank", "step", "name", "layer", "value"]
+        return df[first + [c for c in df.columns if c not in (*first, "meta")] + ["meta"]]
+
+    def _quantities(self, name: str | None, layer: str | None, rank: int,
+                    table: str) -> pd.DataFrame:
+        """One rank's rows of `table` (quantities or local_quantities: an optional table,
+        read as empty where a file lacks it)."""
+        r = self._r(rank)
+        present = table not in OPTIONAL_TABLES or table in r.optional_tables
+        nothing = "SELECT NULL WHERE 0"  # a file without the optional table: no names
         if name is not None:
-            self._check("quantity", name, "SELECT DISTINCT name FROM quantities", rank,
-                        also=catalogue.names())
+            self._check("quantity", name, f"SELECT DISTINCT name FROM {table}" if present
+                        else nothing, rank, also=catalogue.names())
         if layer:
-            self._check("layer", layer, "SELECT DISTINCT layer FROM quantities WHERE layer != ''",
-                        rank)
+            self._check("layer", layer, f"SELECT DISTINCT layer FROM {table} WHERE layer != ''"
+                        if present else nothing, rank)
         where, args = [], []
         for col, val in (("name", name), ("layer", layer)):
             if val is not None:
                 where.append(f"{col} = ?")
                 args.append(val)
-        sql = "SELECT step, name, layer, value, meta FROM quantities"
+        sql = f"SELECT step, name, layer, value, meta FROM {table}"
         if where:
             sql += " WHERE " + " AND ".join(where)
-        r = self._r(rank)
-        rows = r.query(sql + " ORDER BY name, layer, step", args)
+        rows = r.query(sql + " ORDER BY name, layer, step", args) if present else []
         base = ["step", "name", "layer", "value"]
         metas = []
         records = []
-        checks.integers((row[0] for row in rows), "quantities", "step", r.path)
-        checks.numeric((row[3] for row in rows), "quantities", "value", r.path)
+        checks.integers((row[0] for row in rows), table, "step", r.path)
+        checks.numeric((row[3] for row in rows), table, "value", r.path)
         for step, qname, qlayer, value, meta in rows:
             m = r.decode_json(meta, "quantity metadata")
             metas.append(m if isinstance(m, dict) else {})
@@ -371,9 +613,26 @@ class Run:
         checks.histogram(counts, meta, r.path, f"{name} histogram metadata at step {step}")
         return Histogram.decode(name, step, layer, counts, meta)
 
-    def anomalies(self, rank: int = 0) -> pd.DataFrame:
+    def _each_rank(self, rank: int | None, read: Callable[[int], pd.DataFrame]
+                   ) -> pd.DataFrame:
+        """`read(rank)`; for rank None every rank's, with a `rank` column first when the run
+        has several ranks (a single-process run: rank 0's table unchanged)."""
+        if rank is not None:
+            return read(rank)
+        if not self._several():
+            return read(0)
+        frames = [read(r) for r in self.ranks]
+        df = pd.concat([f.assign(rank=r) for r, f in zip(self.ranks, frames) if len(f)]
+                       or [frames[0].assign(rank=0)], ignore_index=True)
+        return df[["rank", *frames[0].columns]]
+
+    def anomalies(self, rank: int | None = None) -> pd.DataFrame:
         """Health-check findings: step, kind (of the step; "" if it was neither recorded nor
-        logged a KPI), tensor, detector, value, threshold, message."""
+        logged a KPI), tensor, detector, value, threshold, message. rank: one rank's, or
+        None (default) every rank's: with a `rank` column first when the run has several."""
+        return self._each_rank(rank, self._anomalies)
+
+    def _anomalies(self, rank: int) -> pd.DataFrame:
         rows = self._r(rank).query(
             "SELECT a.step, COALESCE((SELECT kind FROM steps s WHERE s.step = a.step), "
             "(SELECT kind FROM kpis k WHERE k.step = a.step LIMIT 1), ''), a.tensor, "
@@ -392,11 +651,16 @@ class Run:
         from ..diagnosis import THRESHOLD, diagnose, frame  # heavy logic, loaded on use
         return frame(diagnose(self, rank, THRESHOLD if threshold is None else threshold))
 
-    def warnings(self, rank: int = 0) -> pd.DataFrame:
+    def warnings(self, rank: int | None = None) -> pd.DataFrame:
         """Recording warnings, each distinct one once, in the order they occurred: step (the
         first step it occurred at; None outside a step), location (a module or parameter
         label, "" for the whole model), quantities (list of the instrument quantities it
-        affects), message. Runs recorded before warnings were stored give an empty table."""
+        affects), message. Runs recorded before warnings were stored give an empty table.
+        rank: one rank's, or None (default) every rank's: with a `rank` column first when
+        the run has several."""
+        return self._each_rank(rank, self._warnings)
+
+    def _warnings(self, rank: int) -> pd.DataFrame:
         columns = ["step", "location", "quantities", "message"]
         r = self._r(rank)
         if "warnings" not in r.optional_tables:
@@ -411,6 +675,12 @@ class Run:
             records.append((step, location, names, message))
         return checks.table(pd.DataFrame(records, columns=columns), "warnings", r.path,
                             texts_=["location", "message"])
+
+
+def _some(names: list[str]) -> str:
+    """A few names for a one-line message."""
+    shown = ", ".join(repr(n) for n in names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def open_run(path: str | Path) -> Run:

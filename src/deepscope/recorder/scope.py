@@ -148,7 +148,8 @@ class Scope:
                      on_full: str) -> StoreWriter:
         target = rank_file(self.run_dir, self.rank)
         existing = rank_files(self.run_dir)
-        if existing and not (overwrite or resume):
+        # another rank's file is the same run, written by that rank: only this rank's refuses
+        if target in existing.values() and not (overwrite or resume):
             raise ValueError(f"run {run!r} already exists in {self.run_dir.parent}; pass "
                              "overwrite=True to replace it, resume=True to continue it, or "
                              "choose another run name")
