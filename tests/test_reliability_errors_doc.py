@@ -313,6 +313,9 @@ CASES = [
          lambda t: recorded(t).histogram("GradHist1d", 0)),
     Case("Reading", 'run.histogram("GradHist1d", 0) of one recorded as missing (missing_ok=True '
          "returns it with its reason)", lambda t: missing_histogram(t).histogram("GradHist1d", 0)),
+    Case("Reading", 'run.stats(rank="global")', lambda t: recorded(t).stats(rank="global")),
+    Case("Reading", 'run.samples("x", 0, view="neuron_mean")',
+         lambda t: recorded(t).samples("x", 0, view="neuron_mean")),
     # --- files ---
     Case("Files", "open a run whose file is not SQLite",
          lambda t: deepscope.open_run(rank_file(t, b"garbage" * 10)).steps()),

@@ -122,6 +122,22 @@ def test_rank_filters(tmp_path):
         run.stats(rank="global")
     with pytest.raises(ValueError, match="has no rank 5"):
         run.stats(rank=5)
+    with pytest.raises(ValueError, match="view 'neuron_mean' has no row per batch item"):
+        run.samples("act", 0, view="neuron_mean")
+
+
+def test_unbatched_records_that_differ_between_ranks_are_rank_0s_with_a_warning(tmp_path):
+    name = distributed_run(tmp_path)
+    con = sqlite3.connect(tmp_path / name / "rank1.sqlite")  # as a pre-sync local gradient
+    with con:
+        con.execute("UPDATE records SET mean = mean + 1 WHERE tensor_id = "
+                    "(SELECT id FROM tensors WHERE name = 'w') AND step = 1")
+    con.close()
+    run = deepscope.open_run(tmp_path / name)
+    with pytest.warns(DeepscopeWarning, match="records of 'w' .no batch dimension. differ "
+                      "between ranks; merged shows rank 0's"):
+        merged = run.stats_wide("w")
+    assert merged["mean"].tolist() == run.stats_wide("w", rank=0)["mean"].tolist()
 
 
 def test_single_process_runs_read_unchanged(tmp_path):

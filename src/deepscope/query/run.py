@@ -25,6 +25,7 @@ DIRECTION_ALIASES = {"gradient": "grad"}
 # rank= of the methods that read several ranks: one rank, every rank (a `rank` column) or the
 # global batch combined from them
 RankChoice = int | Literal["merged", "all"]
+SAMPLE_VIEWS = ("sample_mean", "sample_std", "sample_abs_max", "samples")  # one row per item
 
 
 def check_direction(direction: str) -> str:
@@ -123,8 +124,9 @@ class Run:
                 problem = (f"no file rank{rank}.sqlite: the rank never wrote, or its file was "
                            "removed")
             rows.append((rank, status, steps, last, problem))
+        checks.integers((row[3] for row in rows if row[3] is not None), "steps", "step",
+                        self.path)
         df = pd.DataFrame(rows, columns=["rank", "status", "steps", "last_step", "problem"])
-        checks.integers(df["steps"], "steps", "count", self.path)
         df["last_step"] = df["last_step"].astype("Int64")
         return df
 
@@ -415,6 +417,9 @@ class Run:
         the step has several micro-batches (iterations). rank: "all" or "merged" (default:
         every rank's items) or a rank number. A single-process run's index is its own.
         """
+        if view not in SAMPLE_VIEWS:
+            raise ValueError(f"view {view!r} has no row per batch item; use one of "
+                             f"{', '.join(SAMPLE_VIEWS)} (run.values reads the others)")
         chosen = self._choose(rank) or self.ranks
         m = self.manifest()
         ref = self.ranks[0] if len(chosen) > 1 else chosen[0]
