@@ -14,10 +14,14 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import deepscope
 from deepscope.cli.main import main
 from deepscope.errors import CorruptRunError, DeepscopeWarning
+from deepscope.query import merge
+from deepscope.recorder.stats import tensor_stats
 from deepscope.records import QuantityValue
 from deepscope.store.schema import STAT_COLUMNS
 
@@ -177,6 +181,8 @@ def test_missing_and_crashed_ranks_are_reported_and_the_rest_opens(tmp_path, cap
     assert main(["ls", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "ranks: 2 of world size 3 readable; rank 2 missing; rank 1 crashed" in out
+    assert main(["doctor", str(tmp_path / name)]) == 0
+    assert "[ranks: 2 of world size 3 readable; rank 2 missing" in capsys.readouterr().out
 
 
 def test_a_rank_file_of_another_run_is_left_out_with_a_warning(tmp_path):
@@ -252,3 +258,38 @@ def test_warnings_and_anomalies_of_every_rank(tmp_path):
     assert run.anomalies(0).empty and "rank" not in run.anomalies(0).columns
     assert list(run.warnings().columns) == ["rank", "step", "location", "quantities",
                                             "message"]
+
+
+def reference_stats(x: np.ndarray) -> dict[str, float]:
+    """The recorder's definitions, brute force in numpy (independent of the merge)."""
+    finite = x[np.isfinite(x)]
+    out = {"numel": x.size, "nan": np.isnan(x).sum(), "posinf": np.isposinf(x).sum(),
+           "neginf": np.isneginf(x).sum(), "norm": np.sqrt(np.sum(finite ** 2)),
+           "zero_frac": np.count_nonzero(x == 0) / max(x.size, 1)}
+    if finite.size:
+        out |= {"mean": finite.mean(), "std": finite.std(), "abs_mean": np.abs(finite).mean(),
+                "min": finite.min(), "max": finite.max(), "abs_max": np.abs(finite).max()}
+    else:
+        out |= dict.fromkeys(("mean", "std", "abs_mean", "min", "max", "abs_max"), np.nan)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 12), min_size=1, max_size=4),
+       seed=st.integers(0, 2**16), shift=st.floats(-5, 5), bad=st.floats(0, 0.6))
+def test_merge_equals_brute_force_on_the_concatenation(sizes, seed, shift, bad):
+    """Any split into ranks, some ranks all zeros or all non-finite: merged = reference."""
+    rng = np.random.default_rng(seed)
+    parts = [rng.normal(shift, 2.0, (n, 3)) for n in sizes]
+    for p in parts:
+        p[rng.random(p.shape) < bad] = rng.choice([np.nan, np.inf, -np.inf, 0.0])
+    rows = [{"rank": r, "step": 0, "iteration": 0, "tensor": "a", "direction": "forward",
+             **dict(zip(STAT_COLUMNS, tensor_stats(torch.from_numpy(p)).tolist()))}
+            for r, p in enumerate(parts)]
+    merged, incomplete, differing = merge.merge(pd.DataFrame(rows), {"a"}, len(parts))
+    assert incomplete == [] and differing == []
+    want = reference_stats(np.concatenate(parts))
+    for column, value in want.items():
+        np.testing.assert_allclose(merged[column].iloc[0], value, rtol=1e-10, atol=1e-12,
+                                   err_msg=column)
+    assert np.isnan(merged["sv_max"].iloc[0])
