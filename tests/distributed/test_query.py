@@ -120,7 +120,7 @@ def test_rank_filters(tmp_path):
     assert list(every.columns[:2]) == ["rank", "step"]
     assert sorted(set(every["rank"])) == [0, 1]
     assert every[every["rank"] == 1].drop(columns="rank").reset_index(drop=True).equals(
-        run.stats_wide(rank=1))
+        run.stats_wide(rank=np.int64(1)))  # a rank as pandas hands it out
     assert "rank" in run.stats(rank="all").columns
     with pytest.raises(ValueError, match="rank must be a rank number, 'merged' or 'all'"):
         run.stats(rank="global")
@@ -293,3 +293,13 @@ def test_merge_equals_brute_force_on_the_concatenation(sizes, seed, shift, bad):
         np.testing.assert_allclose(merged[column].iloc[0], value, rtol=1e-10, atol=1e-12,
                                    err_msg=column)
     assert np.isnan(merged["sv_max"].iloc[0])
+
+
+def test_a_damaged_manifest_leaves_its_file_out(tmp_path):
+    name = distributed_run(tmp_path)
+    set_meta(tmp_path / name / "rank1.sqlite", distributed={"world_size": 10**9, "rank": 1,
+                                                            "run_id": "x"})
+    run = deepscope.open_run(tmp_path / name)
+    with pytest.warns(DeepscopeWarning, match="stored meta 'distributed' is not a manifest"):
+        assert run.ranks == [0] and run.world_size == 2
+    assert run.rank_status()["status"].tolist() == ["finished", "left out"]

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptRunError, DeepscopeWarning
+from ..store import limits
 
 if TYPE_CHECKING:
     from .run import Run
 
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
-MAX_WORLD_SIZE = 1 << 20  # a crafted manifest must not make a reader list a billion ranks
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,12 @@ def parse_distributed(meta: dict[str, Any], path: Path) -> dict[str, Any] | None
     ok = (isinstance(value, dict)
           and all(isinstance(value.get(k), int) and not isinstance(value.get(k), bool)
                   for k in ("world_size", "rank"))
-          and 1 <= value["world_size"] <= MAX_WORLD_SIZE and value["rank"] >= 0
+          and 1 <= value["world_size"] <= limits.MAX_WORLD_SIZE and value["rank"] >= 0
           and isinstance(value.get("run_id"), str) and _RUN_ID.match(value["run_id"]))
     if not ok:
-        raise CorruptRunError(f"{path}: stored meta 'distributed' is not a manifest "
-                              "{world_size, rank, backend, run_id}; the file is damaged")
+        raise CorruptRunError(f"{path}: stored meta 'distributed' is not a manifest (world "
+                              f"size 1 to {limits.MAX_WORLD_SIZE}, rank, run id); the file is "
+                              "damaged")
     return value
 
 

@@ -140,12 +140,13 @@ class Run:
         "merged" (the caller merges)."""
         if rank in ("merged", "all"):
             return None if rank == "merged" else self.ranks
-        if isinstance(rank, bool) or not isinstance(rank, int):
+        if isinstance(rank, (bool, np.bool_)) or not isinstance(rank, (int, np.integer)):
             raise ValueError(f"rank must be a rank number, 'merged' or 'all', not {rank!r}")
+        rank = int(rank)  # a numpy integer, e.g. from rank_status()
         why = self.manifest().problems.get(rank)
         if why:
             raise CorruptRunError(f"{self._files[rank]} is left out of run {self.name!r}: "
-                                  f"{why}; read rank {rank}'s file as its own run")
+                                  f"{why}; move it to a run folder of its own to read it")
         return [rank]
 
     def _r(self, rank: int) -> StoreReader:

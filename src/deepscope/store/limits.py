@@ -46,6 +46,7 @@ MAX_SAMPLES = 4_096             # meta max_samples: batch items stored per tenso
 MAX_HISTOGRAM_BINS = 2**20      # bins per axis of a stored histogram
 MAX_GRAPH_TENSORS = 20_000      # tensors of one stored dependency graph
 MAX_GRAPH_EDGES = 200_000       # edges of one stored dependency graph
+MAX_WORLD_SIZE = 2**17          # meta distributed.world_size: ranks a reader lists
 
 
 def capped_int(value: Any, cap: int, field: str, *, low: int = 0) -> int:
