@@ -91,7 +91,7 @@ def _compare(got: list, want: list) -> dict[str, float]:
 
 
 def _run(rank: int, world: int, kind: str, optim: str, sizes: list[int],
-         micro: int = 1) -> dict:
+         micro: int = 1, hist_range: tuple[float, float] | str = (-2.0, 2.0)) -> dict:
     """One scenario: DDP on `sizes` samples per rank (`micro` no_sync micro-batches each)
     against the reference on their concatenation; returns errors, calls per step, and the
     local values' checks."""
@@ -109,9 +109,9 @@ def _run(rank: int, world: int, kind: str, optim: str, sizes: list[int],
     reducer = Reducer.create(True, timeout_s=30)
     counter = _Counter(reducer.group)
     inst = Instruments(model, QUANTITIES, schedule=_record, optimizer=opt, reducer=reducer,
-                       hist2d_per_layer=True)
+                       hist2d_per_layer=True, hist_range=hist_range)
     ref = Instruments(reference, QUANTITIES, schedule=_record, optimizer=ref_opt,
-                      hist2d_per_layer=True)
+                      hist2d_per_layer=True, hist_range=hist_range)
     lo = sum(sizes[:rank])
     errors: dict[str, float] = {}
     calls, local_checks = [], []
@@ -202,18 +202,48 @@ def _faults(rank: int, world: int) -> dict:
     return out
 
 
+class _FakeCurvature:
+    """A curvature runner that leaves partial sums: each rank's is rank + 1."""
+
+    def run(self, mean_loss, params, due, step, forward_s):
+        import torch.distributed as dist
+
+        return {"partials": {"t": torch.tensor([dist.get_rank() + 1.0])}}, {}
+
+    def finalize(self, partials, samples):
+        return {"traces": partials["t"].expand(3).clone(), "diagonal_meta": {"samples": samples}}
+
+
+def _curvature_hand_off(rank: int, world: int) -> dict:
+    """The runner's partials travel in the one call; finalize gets their sums."""
+    from deepscope.distributed import Reducer
+    from deepscope.instruments.suite import Instruments
+
+    model = nn.Linear(5, 1).double()
+    reducer = Reducer.create(True, timeout_s=30)
+    inst = Instruments(model, ["Loss", "HessTrace"], reducer=reducer)
+    inst._curvature = _FakeCurvature()
+    x, y = _data("mlp", 0, 8)
+    inst.start(0, "train")
+    losses = (model(x).squeeze(1) - y.double()).square()
+    inst.loss(losses.mean(), per_sample=losses)
+    losses.mean().backward()
+    got = {v.name: (v.value, v.meta) for v in inst.finish() if not v.local and v.layer == ""}
+    return {"got": got, "calls": reducer.calls}
+
+
 def special_cases(rank: int, world: int, out_dir) -> dict:
     return {"unequal": _run(rank, world, "mlp", "sgd", [7, 9]),
-            "no_sync": _run(rank, world, "cnn", "adam", [8, 8], micro=2),
-            "faults": _faults(rank, world)}
+            "no_sync": _run(rank, world, "cnn", "adam", [8, 8], micro=2, hist_range="adaptive"),
+            "faults": _faults(rank, world),
+            "curvature": _curvature_hand_off(rank, world)}
 
 
-def _check(result: dict, one_call: bool) -> None:
+def _check(result: dict, calls: int) -> None:
     for name in QUANTITIES:
         assert result["errors"][name] <= RTOL, (name, result["errors"])
     # steps 0-2 recorded, step 3 ends step 2's α, step 4 not instrumented
-    per_step = 1 if one_call else 2
-    assert result["calls"] == [per_step, per_step, per_step, 1, 0], result["calls"]
+    assert result["calls"] == [calls, calls, calls, 1, 0], result["calls"]
     assert all(all(checks) for checks in result["local"]), result["local"]
 
 
@@ -234,19 +264,27 @@ def special_results(tmp_path_factory):
 @pytest.mark.parametrize("scenario", ["mlp-sgd", "mlp-adam", "cnn-sgd", "cnn-adam"])
 def test_two_ranks_equal_one_process_on_the_concatenated_batch(main_results, scenario):
     for result in main_results:  # every rank returns the global values
-        _check(result[scenario], one_call=True)
+        _check(result[scenario], calls=1)
 
 
 def test_unequal_batches_are_exact_with_a_second_call(special_results):
     # DDP applies the mean of the ranks' means, not ḡ: InnerTest / OrthoTest take ḡ's
     # products in a second call
     for result in special_results:
-        _check(result["unequal"], one_call=False)
+        _check(result["unequal"], calls=2)
 
 
 def test_no_sync_micro_batches_compose(special_results):
+    for result in special_results:  # an adaptive GradHist1d range adds one MAX call
+        _check(result["no_sync"], calls=2)
+
+
+def test_curvature_partials_are_summed_in_the_same_call(special_results):
     for result in special_results:
-        _check(result["no_sync"], one_call=True)
+        curvature = result["curvature"]
+        assert curvature["calls"] == 1
+        assert curvature["got"]["HessTrace"] == [3.0, {"samples": 16}]
+        assert curvature["got"]["Loss"][0] is not None
 
 
 def test_a_failure_on_one_rank_is_skipped_on_every_rank(special_results):

@@ -272,8 +272,7 @@ class GlobalStep:
         return float(bound[0])
 
     def _phase_one(self, bound: float | None) -> dict[str, Tensor]:
-        state, batch, names = self.state, self.batch, self.names
-        K, D = len(names), sum(p.numel() for p in self.params)
+        K, D = len(self.names), sum(p.numel() for p in self.params)
         device = self.params[0].device
         pack = _Pack(self.reducer)
         flags = pack.block("flags", len(self.items))
@@ -282,15 +281,29 @@ class GlobalStep:
                          for i in self.items)
         lacking = pack.block("lacking", 2 * K) if engine_due else None
         fields = {stat: pack.add(stat, shape, where) for stat, shape, where in (
-            ("grad_sum", (D,), device), ("sq_norm_sums", (K,), "cpu"),
-            ("dots", (2, K + 1), "cpu"), ("second_moments", (D,), device),
+            ("grad_sum", (D,), device), ("sq_norm_sums", (K,), device),
+            ("dots", (2, K + 1), device), ("second_moments", (D,), device),
             ("hist1d", (K, 1, self.inst._histograms.count + len(EXTRAS)), device),
             ("hist2d", (K, *(b.count + len(EXTRAS) for b in self.inst._histograms.hist2d)),
              device),
         ) if stat in self.stats}
         fingerprint = pack.block("fingerprint", 2 * K + 1) if "dots" in self.stats else None
         partials = self._partials(pack) if "curvature" in self.stats else {}
+        try:  # whatever fails here, this rank still joins the call (else the others stall)
+            self._fill_local(moments, fields, fingerprint, partials, lacking, bound)
+        except Exception as error:
+            for item in self.items:
+                self.local_failed.setdefault(item, describe(error))
+        for j, item in enumerate(self.items):
+            flags[j] = float(item in self.local_failed)
+        return pack.reduce()
 
+    def _fill_local(self, moments: Tensor, fields: dict[str, Tensor],
+                    fingerprint: Tensor | None, partials: dict[str, Tensor],
+                    lacking: Tensor | None, bound: float | None) -> None:
+        """This rank's statistics into the packed tensors (a failing one: zeros there, and
+        its quantities failed here)."""
+        state, batch, names = self.state, self.batch, self.names
         if state.losses is not None:
             moments[_N] = state.losses.shape[0]
             self._fill("moments", lambda: moments[_LOSS:_LOSS + 2].copy_(
@@ -315,9 +328,6 @@ class GlobalStep:
                 lacking.copy_(torch.tensor(
                     [float(n in batch.unavailable()) for n in names]
                     + [float(n in batch.unavailable_sum()) for n in names], dtype=torch.float64))
-        for j, item in enumerate(self.items):
-            flags[j] = float(item in self.local_failed)
-        return pack.reduce()
 
     def _want_dots(self, fields: dict[str, Tensor], fingerprint: Tensor | None) -> None:
         """Register every gᵢ·v of this step before the first, so they share one pass: ḡ_spec
@@ -345,7 +355,7 @@ class GlobalStep:
 
     def _dot_sums(self, out: Tensor, key: str) -> None:
         """out ← [ΣᵢQᵢ, ΣᵢQᵢ²] per tensor and in total, Qᵢ = gᵢᵀv for the vectors `key`."""
-        q = with_total(self.batch.dots(key)).cpu()
+        q = with_total(self.batch.dots(key))
         out.copy_(torch.stack([q.sum(1), q.square().sum(1)]))
 
     def _slopes(self, moments: Tensor, column: int) -> None:
@@ -380,7 +390,7 @@ class GlobalStep:
         step that had them (zeros and a failure here when this rank has none)."""
         got = self.state.curvature.get("partials")
         layout = self.inst._partials_layout
-        if isinstance(got, dict):
+        if isinstance(got, dict) and all(isinstance(v, Tensor) for v in got.values()):
             layout = {k: tuple(v.shape) for k, v in sorted(got.items())}
             self.inst._partials_layout = layout
         else:
@@ -450,7 +460,7 @@ class GlobalStep:
                 return sums / c, squares / (c * c)
         pack = _Pack(self.reducer)
         flag = pack.block("flags", 1)
-        out = pack.add("dots", (2, len(self.names) + 1))
+        out = pack.add("dots", (2, len(self.names) + 1), self.params[0].device)
         try:
             with torch.no_grad():
                 self.batch.want("exact", {n: g.to(p.dtype) for n, g, p in
