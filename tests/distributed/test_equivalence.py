@@ -203,7 +203,8 @@ def _faults(rank: int, world: int) -> dict:
 
 
 class _FakeCurvature:
-    """A curvature runner that leaves partial sums: each rank's is rank + 1."""
+    """A curvature runner that leaves partial sums (each rank's is rank + 1) for a
+    Linear(5, 1): finalize makes every trace their sum and the diagonal ones."""
 
     def run(self, mean_loss, params, due, step, forward_s):
         import torch.distributed as dist
@@ -211,25 +212,35 @@ class _FakeCurvature:
         return {"partials": {"t": torch.tensor([dist.get_rank() + 1.0])}}, {}
 
     def finalize(self, partials, samples):
-        return {"traces": partials["t"].expand(3).clone(), "diagonal_meta": {"samples": samples}}
+        one = torch.ones((), dtype=torch.float64)
+        return {"traces": partials["t"].expand(3).clone(), "diagonal_meta": {"samples": samples},
+                "diagonal": [one.expand(1, 5), one.expand(1)]}
 
 
 def _curvature_hand_off(rank: int, world: int) -> dict:
-    """The runner's partials travel in the one call; finalize gets their sums."""
+    """The runner's partials travel in the one call, finalize gets their sums, and TIC
+    takes the global batch's second moments."""
     from deepscope.distributed import Reducer
     from deepscope.instruments.suite import Instruments
 
     model = nn.Linear(5, 1).double()
     reducer = Reducer.create(True, timeout_s=30)
-    inst = Instruments(model, ["Loss", "HessTrace"], reducer=reducer)
+    inst = Instruments(model, ["Loss", "HessTrace", "TICDiag", "TICTrace"], reducer=reducer)
     inst._curvature = _FakeCurvature()
-    x, y = _data("mlp", 0, 8)
+    x, y = _data("mlp", 0, 16)
+    y = y.double()
+    squares = 0.0  # Σᵢ Σₐ gᵢ,ₐ² over the global batch, sample by sample
+    for i in range(16):
+        loss = (model(x[i:i + 1]).squeeze(1) - y[i:i + 1]).square().sum()
+        squares += sum(float(g.square().sum()) for g in torch.autograd.grad(loss, list(
+            model.parameters())))
     inst.start(0, "train")
-    losses = (model(x).squeeze(1) - y.double()).square()
+    losses = (model(x[8 * rank:8 * rank + 8]).squeeze(1) - y[8 * rank:8 * rank + 8]).square()
     inst.loss(losses.mean(), per_sample=losses)
     losses.mean().backward()
     got = {v.name: (v.value, v.meta) for v in inst.finish() if not v.local and v.layer == ""}
-    return {"got": got, "calls": reducer.calls}
+    return {"got": got, "calls": reducer.calls,
+            "tic": [squares / 16 / (1 + 1e-7), squares / 16 / (3 + 1e-7)]}
 
 
 def special_cases(rank: int, world: int, out_dir) -> dict:
@@ -283,8 +294,12 @@ def test_curvature_partials_are_summed_in_the_same_call(special_results):
     for result in special_results:
         curvature = result["curvature"]
         assert curvature["calls"] == 1
-        assert curvature["got"]["HessTrace"] == [3.0, {"samples": 16}]
-        assert curvature["got"]["Loss"][0] is not None
+        got = curvature["got"]
+        assert got["HessTrace"] == [3.0, {"samples": 16}]
+        assert got["Loss"][0] is not None
+        tic_diag, tic_trace = curvature["tic"]
+        assert math.isclose(got["TICDiag"][0], tic_diag, rel_tol=RTOL), (got, tic_diag)
+        assert math.isclose(got["TICTrace"][0], tic_trace, rel_tol=RTOL), (got, tic_trace)
 
 
 def test_a_failure_on_one_rank_is_skipped_on_every_rank(special_results):

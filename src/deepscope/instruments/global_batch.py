@@ -94,7 +94,7 @@ class GlobalBatch:
     """
 
     size: int
-    grad_mean: list[Tensor]
+    grad_mean: list[Tensor] | None
     sq_norm_sums: Tensor | None
     second_moment_sums: list[Tensor] | None
     lacking: dict[str, str]
@@ -217,9 +217,10 @@ class GlobalStep:
         except CollectiveError as error:
             return [self._missing(item, str(error)) for item in self.items]
         failed = self._agreed_failures(reduced["flags"])
-        gbatch = self._global_batch(reduced) if "grad_sum" in self.stats else None
+        engine = self.stats & {"grad_sum", "sq_norm_sums", "second_moments"}
+        gbatch = self._global_batch(reduced) if engine else None
         dots: tuple[Tensor, Tensor] | str | None = None
-        if "dots" in self.stats and not {"InnerTest", "OrthoTest"} & set(self.items) <= set(failed):
+        if {"InnerTest", "OrthoTest"} & set(self.items) - set(failed):  # same on every rank
             dots = self._dots(reduced, gbatch)
         curvature = self._curvature(reduced) if "curvature" in self.stats else None
         out = []
@@ -432,21 +433,20 @@ class GlobalStep:
 
     def _global_batch(self, reduced: dict[str, Tensor]) -> GlobalBatch:
         size = int(reduced["moments"][:, _N].sum())
-        flat = reduced["grad_sum"] / size if size else reduced["grad_sum"] * math.nan
-        grad_mean = [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in self.params]),
-                                                   self.params)]
-        second = reduced.get("second_moments")
-        batch = self.batch
-        lacking = reduced.get("lacking")
+        batch, lacking, K = self.batch, reduced.get("lacking"), len(self.names)
         local = batch.unavailable() if batch is not None else {}
         local_sum = batch.unavailable_sum() if batch is not None else {}
-        K = len(self.names)
+        sums, second = reduced.get("grad_sum"), reduced.get("second_moments")
         return GlobalBatch(
-            size, grad_mean, reduced.get("sq_norm_sums"),
-            None if second is None else [v.view_as(p) for v, p in zip(
-                second.split([p.numel() for p in self.params]), self.params)],
+            size, None if sums is None else self._split(sums / size if size else sums * math.nan),
+            reduced.get("sq_norm_sums"), None if second is None else self._split(second),
             self._lacking(lacking, 0, local) if lacking is not None else {},
             self._lacking(lacking, K, local_sum) if lacking is not None else {})
+
+    def _split(self, flat: Tensor) -> list[Tensor]:
+        """A flat (D,) tensor as one tensor per parameter, parameter-shaped (views)."""
+        return [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in self.params]),
+                                              self.params)]
 
     def _dots(self, reduced: dict[str, Tensor], gbatch: GlobalBatch) -> tuple[Tensor, Tensor] | str:
         """(Σᵢ gᵢᵀḡ, Σᵢ (gᵢᵀḡ)²) per tensor and in total over the global batch, or why not:
@@ -520,7 +520,8 @@ class GlobalStep:
                         gbatch.unavailable())
         if isinstance(curvature, str) and "curvature" in NEEDS[item]:
             raise RuntimeError(curvature)
-        whole = dataclasses.replace(state, loss=loss[0].clone(), curvature=curvature or {})
+        whole = dataclasses.replace(state, loss=loss[0].clone(),
+                                    curvature=curvature if isinstance(curvature, dict) else {})
         return self.compute[item](self.inst, item, whole, gbatch, self.update)
 
     def _alpha_start(self, size: int, loss: Tensor, moments: Tensor) -> list[QuantityValue]:
