@@ -91,10 +91,11 @@ def _compare(got: list, want: list) -> dict[str, float]:
 
 
 def _run(rank: int, world: int, kind: str, optim: str, sizes: list[int],
-         micro: int = 1, hist_range: tuple[float, float] | str = (-2.0, 2.0)) -> dict:
-    """One scenario: DDP on `sizes` samples per rank (`micro` no_sync micro-batches each)
-    against the reference on their concatenation; returns errors, calls per step, and the
-    local values' checks."""
+         micro: int = 1, hist_range: tuple[float, float] | str = (-2.0, 2.0),
+         clip: float | None = None) -> dict:
+    """One scenario: DDP on `sizes` samples per rank (`micro` no_sync micro-batches each,
+    gradients clipped to norm `clip`) against the reference on their concatenation; returns
+    errors, calls per step, and the local values' checks."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from deepscope.distributed import Reducer
@@ -136,6 +137,9 @@ def _run(rank: int, world: int, kind: str, optim: str, sizes: list[int],
                 if on:
                     inst.loss(loss, per_sample=losses)
                 loss.backward()
+        if clip is not None:  # .grad = c·ḡ: InnerTest / OrthoTest still take one call
+            norm = nn.utils.clip_grad_norm_(model.parameters(), clip)
+            assert float(norm) > clip
         opt.step()
         got = inst.finish() if on else []
         calls.append(counter.calls - before)
@@ -245,7 +249,8 @@ def _curvature_hand_off(rank: int, world: int) -> dict:
 
 def special_cases(rank: int, world: int, out_dir) -> dict:
     return {"unequal": _run(rank, world, "mlp", "sgd", [7, 9]),
-            "no_sync": _run(rank, world, "cnn", "adam", [8, 8], micro=2, hist_range="adaptive"),
+            "no_sync": _run(rank, world, "cnn", "adam", [8, 8], micro=2, hist_range="adaptive",
+                            clip=1e-3),
             "faults": _faults(rank, world),
             "curvature": _curvature_hand_off(rank, world)}
 
@@ -286,7 +291,8 @@ def test_unequal_batches_are_exact_with_a_second_call(special_results):
 
 
 def test_no_sync_micro_batches_compose(special_results):
-    for result in special_results:  # an adaptive GradHist1d range adds one MAX call
+    # with gradient clipping; an adaptive GradHist1d range adds one MAX call
+    for result in special_results:
         _check(result["no_sync"], calls=2)
 
 

@@ -19,7 +19,9 @@ is reported with value None and meta["reason"]; finish() never raises.
 
 `Instruments` is the driver: the step's state is one `StepState` (step.py), the engine's
 statistics one `Batch` (batch.py); α's two steps live in alpha.py, the histogram pass in
-histograms/per_step.py, the curvature in quantities/curvature_runner.py.
+histograms/per_step.py, the curvature in quantities/curvature_runner.py; in a distributed
+run (`reducer=`) global_batch.py turns every rank's statistics into values of the global
+batch.
 """
 
 from __future__ import annotations
