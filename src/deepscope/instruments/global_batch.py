@@ -154,16 +154,20 @@ def _merged(block: Tensor, column: int) -> Tensor:
 
 
 def common_factor(spec: list[Tensor], exact: list[Tensor]) -> float | None:
-    """c with spec = c·exact up to round-off of spec's dtype (norm-wise), or None."""
-    s = torch.cat([t.reshape(-1).double() for t in spec])
-    e = torch.cat([t.reshape(-1).to(s.device, torch.float64) for t in exact])
-    ee = float(e @ e)
+    """c with spec = c·exact up to round-off of spec's dtype (norm-wise over all tensors),
+    or None; float64, tensor by tensor (no flat copies)."""
+    pairs = [(s.reshape(-1).double(), e.reshape(-1).to(s.device, torch.float64))
+             for s, e in zip(spec, exact)]
+    se = sum(float(torch.dot(s, e)) for s, e in pairs)
+    ee = sum(float(torch.dot(e, e)) for _, e in pairs)
+    ss = sum(float(torch.dot(s, s)) for s, _ in pairs)
     if not math.isfinite(ee) or ee == 0:
         return None
-    c = float(s @ e) / ee
+    c = se / ee
     tolerance = min(SPEC_ULPS * torch.finfo(spec[0].dtype).eps, 1e-3)
-    residual = float(torch.linalg.vector_norm(s - c * e))
-    if not math.isfinite(c) or c == 0 or residual > tolerance * float(torch.linalg.vector_norm(s)):
+    # the residual itself, not ss − 2c·se + c²·ee: that cancels far below this tolerance
+    residual = math.sqrt(sum(float(torch.linalg.vector_norm(s - c * e)) ** 2 for s, e in pairs))
+    if not math.isfinite(c) or c == 0 or not residual <= tolerance * math.sqrt(ss):
         return None
     return c
 
@@ -310,15 +314,15 @@ class GlobalStep:
             self._fill("moments", lambda: moments[_LOSS:_LOSS + 2].copy_(
                 _moments(state.losses)))
         self._want_dots(fields, fingerprint)
-        self._fill("grad_sum", lambda: fields["grad_sum"].copy_(torch.cat(
-            [(g.double() * batch.size).reshape(-1) for g in batch.grad_mean])))
+        self._fill("grad_sum", lambda: self._flat_into(fields["grad_sum"], batch.grad_mean,
+                                                       batch.size))
         self._fill("sq_norm_sums", lambda: fields["sq_norm_sums"].copy_(batch.sq_norm_sums))
         if self.spec is not None:
             self._fill("dots", lambda: self._dot_sums(fields["dots"], "mean"))
         self._fill("start", lambda: self._slopes(moments, _START))
         self._fill("end", lambda: self._slopes(moments, _END))
-        self._fill("second_moments", lambda: fields["second_moments"].copy_(torch.cat(
-            [m.double().reshape(-1) for m in batch.second_moment_sums])))
+        self._fill("second_moments", lambda: self._flat_into(fields["second_moments"],
+                                                             batch.second_moment_sums))
         if "hist1d" in fields or "hist2d" in fields:
             self._histograms(fields, bound)
         for key, tensor in partials.items():
@@ -329,6 +333,16 @@ class GlobalStep:
                 lacking.copy_(torch.tensor(
                     [float(n in batch.unavailable()) for n in names]
                     + [float(n in batch.unavailable_sum()) for n in names], dtype=torch.float64))
+
+    def _flat_into(self, out: Tensor, tensors: list[Tensor], scale: float = 1.0) -> None:
+        """out (D,) ← the parameter-shaped `tensors` flattened in order (float64), × scale."""
+        at = 0
+        for t in tensors:
+            part = out[at:at + t.numel()]
+            part.copy_(t.reshape(-1))
+            if scale != 1.0:
+                part.mul_(scale)
+            at += t.numel()
 
     def _want_dots(self, fields: dict[str, Tensor], fingerprint: Tensor | None) -> None:
         """Register every gᵢ·v of this step before the first, so they share one pass: ḡ_spec
