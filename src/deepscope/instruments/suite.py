@@ -368,7 +368,9 @@ class Instruments:
         """Compute every due quantity after the user's backward and optimiser step.
 
         Returns the values of this step, α of the previous step (under its step), and
-        anything deferred (e.g. an α whose end step never came). Never raises.
+        anything deferred (e.g. an α whose end step never came); in a distributed run the
+        values of the global batch on every rank, then this rank's own (`local=True`: Loss,
+        BatchSize, GradNorm). Never raises.
         """
         values, self._deferred = self._deferred, []
         state = self._state
