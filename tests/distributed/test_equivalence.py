@@ -176,7 +176,8 @@ def equivalence(rank: int, world: int, out_dir) -> dict:
 
 
 def _faults(rank: int, world: int) -> dict:
-    """GradHist1d's pass raises on rank 1 only; then the reducer is off."""
+    """GradHist1d's pass raises on rank 1 only; then the reducer is off. Without DDP each
+    rank's .grad is its own gradient, so InnerTest takes the exact ḡ in a second call."""
     import deepscope.instruments.global_batch as global_batch
     from deepscope.distributed import Reducer
     from deepscope.instruments.suite import Instruments
@@ -189,7 +190,14 @@ def _faults(rank: int, world: int) -> dict:
     reducer = Reducer.create(True, timeout_s=30)
     inst = Instruments(model, ["Loss", "GradNorm", "GradHist1d", "InnerTest"],
                        reducer=reducer)
-    out = {}
+    reference = copy.deepcopy(model)
+    ref = Instruments(reference, ["InnerTest"])
+    x, y = _data("mlp", 0, 16)
+    ref.start(0, "train")
+    losses = nn.functional.cross_entropy(reference(x), y, reduction="none")
+    ref.loss(losses.mean(), per_sample=losses)
+    losses.mean().backward()
+    out = {"inner": [v.value for v in ref.finish() if v.layer == ""]}
     for step in range(2):
         if step == 1:
             reducer.disabled = "deepscope's collectives are off (test)"
@@ -200,8 +208,11 @@ def _faults(rank: int, world: int) -> dict:
         inst.loss(losses.mean(), per_sample=losses)
         model.zero_grad()
         losses.mean().backward()
-        out[step] = {f"{v.name}{'@local' if v.local else ''}": v.meta.get("reason")
-                     for v in inst.finish() if v.layer == ""}
+        got = [v for v in inst.finish() if v.layer == ""]
+        out[step] = {f"{v.name}{'@local' if v.local else ''}": v.meta.get("reason") for v in got}
+        if step == 0:
+            out["calls"] = reducer.calls
+            out["inner"] += [v.value for v in got if v.name == "InnerTest"]
     out["warnings"] = inst.warnings
     return out
 
@@ -314,6 +325,9 @@ def test_a_failure_on_one_rank_is_skipped_on_every_rank(special_results):
     assert second["0"]["GradHist1d"] == "failed on rank 1: RuntimeError: injected on rank 1"
     assert any("GradHist1d failed on rank 1" in w for w in second["warnings"])
     for result in (first, second):
+        assert result["calls"] == 2  # the ranks' .grad differ: ḡ's products in a second call
+        want, got = result["inner"]
+        assert math.isclose(got, want, rel_tol=RTOL), (got, want)
         step0, step1 = result["0"], result["1"]
         assert step0["Loss"] is None and step0["GradNorm"] is None and step0["InnerTest"] is None
         # reducer off: every global value missing with its reason, local values still there
