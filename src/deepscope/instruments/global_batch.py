@@ -43,7 +43,6 @@ from .step import ZERO_MEAN, StepState, missing, rows
 
 if TYPE_CHECKING:
     from .batch import Batch
-    from .suite import Compute, Instruments
 
 ALPHA_END = "Alpha (end point)"  # the previous step's α, measured at this one
 REPLICATED = frozenset({"Distance", "UpdateSize"})  # from the replicated parameters
@@ -174,11 +173,16 @@ def common_factor(spec: list[Tensor], exact: list[Tensor]) -> float | None:
 
 class GlobalStep:
     """One instrumented step of a distributed run: local statistics, the packed call(s),
-    and every due quantity's value over the global batch (`values`)."""
+    and every due quantity's value over the global batch (`values`).
 
-    def __init__(self, inst: Instruments, state: StepState, batch: Batch | None,
+    inst: the suite's `Instruments` (not imported here: it imports this module); state,
+    batch, batch_error, update: its step; no_loss: the reason when rec.loss was not called;
+    compute: its compute functions by quantity name.
+    """
+
+    def __init__(self, inst: Any, state: StepState, batch: Batch | None,
                  batch_error: str, update: list[Tensor] | None, no_loss: str,
-                 compute: dict[str, Compute]) -> None:
+                 compute: dict[str, Callable[..., list[QuantityValue]]]) -> None:
         assert inst.reducer is not None
         self.inst, self.state, self.batch, self.update = inst, state, batch, update
         self.no_loss, self.batch_error = no_loss, batch_error
