@@ -405,18 +405,18 @@ class GlobalStep:
             self.local_failed.update(dict.fromkeys(users, describe(error)))
 
     def _partials(self, pack: _Pack) -> dict[str, Tensor]:
-        """Fields for the curvature runner's partial sums, keyed and shaped as the first
-        step that had them (zeros and a failure here when this rank has none)."""
+        """Fields for the curvature runner's partial sums (`state.curvature["partials"]`),
+        shaped as this rank's; when its curvature failed, as at the last step with the same
+        curvature quantities due (zeros), so that the ranks' layouts still match. None left
+        and none failed: the runner's values are taken as they are."""
         got = self.state.curvature.get("partials")
-        layout = self.inst._partials_layout
+        due = frozenset(self.state.due & needing("hessian"))
+        layouts = self.inst._partials_layouts
         if isinstance(got, dict) and all(isinstance(v, Tensor) for v in got.values()):
-            layout = {k: tuple(v.shape) for k, v in sorted(got.items())}
-            self.inst._partials_layout = layout
+            layouts[due] = {k: tuple(v.shape) for k, v in sorted(got.items())}
+            layout = layouts[due]
         else:
-            for item in self.items:
-                if "curvature" in NEEDS[item] and item not in self.local_failed:
-                    self.local_failed[item] = ("the curvature runner left no partial sums at "
-                                               "this step")
+            layout = layouts.get(due) if due & set(self.state.failed) else None
         device = self.params[0].device
         return {k: pack.add(f"partials:{k}", shape, device) for k, shape in (layout or {}).items()}
 
@@ -500,9 +500,12 @@ class GlobalStep:
         return sums, squares
 
     def _curvature(self, reduced: dict[str, Tensor]) -> dict[str, Any] | str:
-        """The curvature runner's values over the global batch, or why not."""
+        """The curvature runner's values over the global batch (from the summed partial
+        sums, or as the runner left them when it left none), or why not."""
         partials = {key.split(":", 1)[1]: value for key, value in reduced.items()
                     if key.startswith("partials:")}
+        if not partials:
+            return self.state.curvature
         try:
             return self.inst._curvature.finalize(partials, int(reduced["moments"][:, _N].sum()))
         except Exception as error:

@@ -201,7 +201,8 @@ class Instruments:
             raise TypeError("reducer must be a deepscope.distributed.Reducer (Reducer.create()) "
                             f"or None, got {type(reducer).__name__}")
         self.reducer = reducer
-        self._partials_layout: dict[str, tuple[int, ...]] | None = None  # see global_batch
+        # the curvature partial sums' shapes by due curvature quantities (see global_batch)
+        self._partials_layouts: dict[frozenset[str], dict[str, tuple[int, ...]]] = {}
         self._histograms = HistogramSettings.from_arguments(
             hist_bins, hist_range, hist2d_bins, hist2d_range, hist2d_per_layer)
         self.hist_bins = hist_bins
