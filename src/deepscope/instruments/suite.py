@@ -64,6 +64,7 @@ from .quantities import (
 )
 from .quantities.curvature_runner import CurvatureRunner
 from .quantities.curvature_runner import hvp_seconds as _hvp_seconds
+from .sharding import refuse_sharded
 from .step import StepState, missing, reduce_loss, rows
 
 Schedule = Callable[[int, str], bool]
@@ -169,6 +170,7 @@ class Instruments:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        refuse_sharded(model, "deepscope's instruments")
         self.quantities = resolve_quantities(quantities)
         uncomputed = [q for q in self.quantities if q not in COMPUTE]
         if uncomputed:
