@@ -345,7 +345,8 @@ class Instruments:
             previous, batch = state.curvature, losses.shape[0]
             mean_loss = loss if scale == batch else loss * (scale / batch)
             state.curvature, failed = self._curvature.run(
-                mean_loss, list(self._params.values()), state.due, state.step, forward_s)
+                mean_loss, list(self._params.values()), state.due, state.step, forward_s,
+                batch_size=batch)
             state.failed.update(failed)
             if before:
                 state.curvature, failed = self._curvature.merge(

@@ -94,6 +94,7 @@ class CurvatureRunner:
         self._warn, self._timer, self._budget = warn, timer, budget
         self.reducer = reducer
         self._shapes: list[torch.Size] = []  # the parameters' shapes, for `finalize`
+        self._step: dict[str, Any] = {}  # this rank's step so far: "diagonal_meta", "max_ev"
         self._auto_diagonal: tuple[str, str] | None = None  # "auto"'s (estimator, why)
         self._hvp_batched: bool | None = None  # vmapped HVPs verified on this model
 
@@ -108,11 +109,12 @@ class CurvatureRunner:
         With a reducer, call it on every rank with the same `due` and `step`, and pass
         `batch_size` (n_r, this rank's samples in `mean_loss`). HessMaxEV is then the global
         batch's (one all-reduce per Lanczos iteration, here). The diagonal comes as
-        "partials" beside "diagonal_meta": float64 tensors whose keys and shapes depend only
-        on the parameters and settings, the same on every rank whatever fails (a rank's
-        failure travels as its reason in them); sum them over ranks and pass the sums to
-        `finalize`. "auto" agrees on its estimator with one MAX all-reduce at its first
-        step (when decided by time); it does not stop an exact diagonal over budget later.
+        "partials": float64 tensors whose keys and shapes depend only on the parameters and
+        the due quantities, the same on every rank whatever fails (a rank's failure travels
+        as its reason in them; {} when no diagonal is due); sum them over ranks, in one
+        call with the step's other sums, and pass the sums to `finalize`. "auto" agrees on
+        its estimator with one MAX all-reduce at its first step (when decided by time); it
+        does not stop an exact diagonal over budget later.
         """
         due = due & needing("hessian")
         if self.reducer is not None:
@@ -186,6 +188,8 @@ class CurvatureRunner:
                 if op is not None:
                     self._hvp_batched = op.batched
                     op.release()
+        curvature.setdefault("partials", {})
+        self._step = {k: v for k, v in curvature.items() if k != "partials"}
         return curvature, failed
 
     def _partials(
@@ -252,24 +256,27 @@ class CurvatureRunner:
             self._warn(self._auto_diagonal[1] + ESTIMATE_WARNING)
         return (*self._auto_diagonal, reason)
 
-    def finalize(
-        self, curvature: dict[str, Any], reduced: dict[str, Tensor], total_samples: int,
-    ) -> tuple[dict[str, Any], dict[str, str]]:
-        """The global batch's curvature from `run`'s (or `merge`'s) result on this rank and
-        its partials summed over ranks (`reduced`, same keys), N = `total_samples`.
+    def finalize(self, reduced: dict[str, Tensor], total_samples: int) -> dict[str, Any]:
+        """The global batch's curvature, the same on every rank, without collectives.
 
-        Returns (curvature, failed) as `run` does without a reducer: "diagonal" per tensor
-        (float64), "traces" (K + 1,) and "diagonal_meta", or the diagonal quantities'
-        reason, naming the ranks it failed on; "max_ev" as `run` left it. The same on every
-        rank. No collectives.
+        Args:
+            reduced: the step's "partials" (of `run`, or `merge` of several micro-batches)
+                summed over ranks, same keys.
+            total_samples: N, the global batch's samples.
+        Returns:
+            {"diagonal": per tensor (float64), "traces": (K + 1,), "diagonal_meta": {...},
+            "max_ev": (value, meta)}, whichever this step computed (as `run` without a
+            reducer).
+        Raises:
+            RuntimeError: the diagonal failed on some rank (one line naming the ranks and
+                their reasons).
         """
-        out = {key: value for key, value in curvature.items()
-               if key not in ("partials", "diagonal_meta")}
-        if "partials" not in curvature:
-            return out, {}
+        out = dict(self._step)
+        if not reduced:
+            return out
         failures = rank_failures(reduced[FAILURES])
         if failures:
-            return out, dict.fromkeys(needing("diagonal"), "the Hessian diagonal " + failures)
+            raise RuntimeError("the Hessian diagonal " + failures)
         if "diagonal" in reduced:
             flat = reduced["diagonal"] / total_samples
             out["diagonal"] = [seg.view(shape) for seg, shape in zip(
@@ -277,12 +284,10 @@ class CurvatureRunner:
             out["traces"] = with_total(torch.stack([seg.sum() for seg in out["diagonal"]]))
         else:
             out["traces"] = with_total(reduced["traces"] / total_samples)
-        out["diagonal_meta"] = curvature["diagonal_meta"]
-        return out, {}
+        return out
 
-    @staticmethod
     def merge(
-        previous: dict[str, Any], current: dict[str, Any], before: int, added: int,
+        self, previous: dict[str, Any], current: dict[str, Any], before: int, added: int,
         due: frozenset[str],
     ) -> tuple[dict[str, Any], dict[str, str]]:
         """Fold a micro-batch's curvature (`current`, `added` samples) into that of the
@@ -299,6 +304,7 @@ class CurvatureRunner:
             if FAILURES in current["partials"]:  # the first failure's reason, not a sum
                 earlier = previous["partials"][FAILURES]
                 merged[FAILURES] = earlier if earlier.any() else current["partials"][FAILURES]
+            self._step.pop("max_ev", None)  # not the whole step's
             kept = {key: value for key, value in current.items() if key != "max_ev"}
             return {**kept, "partials": merged}, failed
         if "diagonal" not in previous or "diagonal" not in current:
