@@ -219,3 +219,17 @@ def test_curvature_over_the_global_batch(tmp_path):
         assert failure["failed"]["HessTrace"].startswith("the Hessian diagonal failed on rank 1")
         assert failure["failed"]["HessMaxEV"].startswith(
             "a Hessian-vector product of the global batch failed on rank 1")
+
+
+def test_failure_reasons_travel_summed_as_codes():
+    from deepscope.instruments.curvature.global_hessian import (
+        REASON_CHARS,
+        rank_failures,
+        reason_codes,
+    )
+
+    summed = (reason_codes(0, 3, "ValueError: x ‖ y") + reason_codes(1, 3, "")
+              + reason_codes(2, 3, "E" * 500))
+    assert rank_failures(summed) == (
+        f"failed on rank 0 (ValueError: x ? y); rank 2 ({'E' * (REASON_CHARS - 3)}...)")
+    assert rank_failures(reason_codes(1, 3, "")) == ""
