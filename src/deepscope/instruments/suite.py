@@ -68,6 +68,7 @@ from .quantities import (
 )
 from .quantities.curvature_runner import CurvatureRunner
 from .quantities.curvature_runner import hvp_seconds as _hvp_seconds
+from .sharding import refuse_sharded
 from .step import ZERO_MEAN, StepState, missing, reduce_loss, rows
 
 Schedule = Callable[[int, str], bool]
@@ -178,6 +179,7 @@ class Instruments:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        refuse_sharded(model, "deepscope's instruments")
         self.quantities = resolve_quantities(quantities)
         uncomputed = [q for q in self.quantities if q not in COMPUTE]
         if uncomputed:
@@ -218,7 +220,7 @@ class Instruments:
         self._curvature = CurvatureRunner(
             self.curvature, hutchinson_samples, lanczos_iter, seed,
             warn=lambda message: self._warn(message, needing("diagonal")),
-            timer=_hvp_seconds, budget=diagonal_budget)
+            timer=_hvp_seconds, budget=diagonal_budget, reducer=reducer)
 
         self.model = model
         names = names or ModelNames.of(model, root_name="<model>")
@@ -358,7 +360,8 @@ class Instruments:
             previous, batch = state.curvature, losses.shape[0]
             mean_loss = loss if scale == batch else loss * (scale / batch)
             state.curvature, failed = self._curvature.run(
-                mean_loss, list(self._params.values()), state.due, state.step, forward_s)
+                mean_loss, list(self._params.values()), state.due, state.step, forward_s,
+                batch_size=batch)
             state.failed.update(failed)
             if before:
                 state.curvature, failed = self._curvature.merge(

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from .estimate import Estimate
 from .operator import HessianOperator, check_int, check_operator, seeded_generator
+
+
+class LinearOperator(Protocol):
+    """What Lanczos needs of an operator on flat (D,) vectors."""
+
+    dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def matvec(self, v: Tensor, out: Tensor | None = None) -> Tensor: ...
 
 
 def lanczos(op: HessianOperator, num_iter: int = 30, seed: int = 0) -> dict[str, Estimate]:
@@ -27,8 +38,17 @@ def lanczos(op: HessianOperator, num_iter: int = 30, seed: int = 0) -> dict[str,
         per parameter unit squared, estimator "lanczos", samples = HVPs used.
     """
     op = check_operator(op)
+    return lanczos_iterations(op, num_iter, seeded_generator(op, seed))
+
+
+def lanczos_iterations(op: LinearOperator, num_iter: int,
+                       generator: torch.Generator) -> dict[str, Estimate]:
+    """`lanczos` on any symmetric linear operator with `dim`, `dtype`, `device` and
+    `matvec(v, out=)` (e.g. the global Hessian of a distributed run); the start vector and
+    any restart come from `generator`. The iterations depend only on the products'
+    values, so operators that return identical products on several processes run
+    identical iterations there."""
     steps = min(check_int("num_iter", num_iter, 1), op.dim)
-    generator = seeded_generator(op, seed)
     basis = torch.zeros(steps, op.dim, dtype=op.dtype, device=op.device)
     alphas: list[float] = []
     betas: list[float] = []
@@ -96,7 +116,7 @@ def _orthogonalise(w: Tensor, basis: Tensor) -> float:
     return norm
 
 
-def _random_unit(op: HessianOperator, generator: torch.Generator, basis: Tensor) -> Tensor:
+def _random_unit(op: LinearOperator, generator: torch.Generator, basis: Tensor) -> Tensor:
     """A seeded Gaussian unit vector (D,) orthogonal to the rows of basis."""
     v = torch.randn(op.dim, generator=generator, dtype=op.dtype, device=op.device)
     return v / _orthogonalise(v, basis)

@@ -99,9 +99,7 @@ class HessianOperator:
             raise ValueError("params hold no elements; pass non-empty parameter tensors")
         self.dtype: torch.dtype = loss.dtype
         self.device: torch.device = loss.device
-        # The vmapped backward's memory grows with the batch too, so big models go row by row.
-        auto = max(1, min(MAX_BATCH_SIZE, BLOCK_ELEMENTS // self.dim))
-        self.batch_size: int = auto if batch_size is None else batch_size
+        self.batch_size: int = hvp_batch_size(self.dim) if batch_size is None else batch_size
         # vmapped HVPs: unchecked / verified / unusable; a verdict from an earlier operator
         # of the same model saves the checking HVP (see `matmat`)
         self._batched: bool | None = batched
@@ -250,6 +248,12 @@ class HessianOperator:
                 f"{name} must have shape {want} with D={self.dim}, got {tuple(x.shape)}; "
                 "flatten with torch.cat([t.reshape(-1) for t in tensors])"
             )
+
+
+def hvp_batch_size(dim: int) -> int:
+    """HVPs per vmapped backward pass by default for D = `dim` parameter elements."""
+    # The vmapped backward's memory grows with the batch too, so big models go row by row.
+    return max(1, min(MAX_BATCH_SIZE, BLOCK_ELEMENTS // dim))
 
 
 def check_operator(op: object) -> HessianOperator:

@@ -19,9 +19,10 @@ from ..curvature import (
     HessianOperator,
     exact_diagonal,
     hutchinson_diagonal,
-    lanczos,
     layer_traces,
 )
+from ..curvature.lanczos import LinearOperator, lanczos_iterations
+from ..curvature.operator import seeded_generator
 from .norms import with_total
 
 EXACT_MAX_DIM = 5000  # "auto" takes the exact diagonal (D HVPs) up to this many parameters
@@ -121,14 +122,17 @@ def hess_trace(op: HessianOperator, diagonal: Tensor) -> Tensor:
     return with_total(traces.to(diagonal.device))
 
 
-def hess_max_ev(op: HessianOperator, num_iter: int, seed: int) -> tuple[float, dict[str, Any]]:
+def hess_max_ev(op: HessianOperator | LinearOperator, num_iter: int,
+                seed: int) -> tuple[float, dict[str, Any]]:
     """The largest algebraic eigenvalue of H by Lanczos, and meta for storage.
+
+    op: the Hessian operator, or any symmetric operator Lanczos takes (`GlobalHessian`).
 
     Returns:
         (value, meta) with meta {"max_magnitude", "min_algebraic", "estimator", "samples"};
         samples = HVPs spent.
     """
-    result = lanczos(op, num_iter=num_iter, seed=seed)
+    result = lanczos_iterations(op, num_iter, seeded_generator(op, seed))
     top = result["max_algebraic"]
     meta = {
         "max_magnitude": result["max_magnitude"].value,
