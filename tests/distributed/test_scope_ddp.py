@@ -84,6 +84,44 @@ def train_step(scope, ddp, opt, rank: int, step: int, *, nan_at: tuple[int, int]
 SHIM: CountingShim
 
 
+def accumulating_ddp(scope, rank: int):
+    """3 steps of 2 micro-batches (the first under no_sync) through a DDP with
+    gradient_as_bucket_view, small buckets and a counting comm hook; with `scope`, every step
+    recorded (activations too); returns the model and how often the hook ran."""
+    import contextlib
+
+    import torch
+    from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)),
+                                  gradient_as_bucket_view=True, bucket_cap_mb=1e-4)
+    calls = []
+
+    def hook(state, bucket):
+        calls.append(1)
+        return default_hooks.allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    if scope is not None:
+        assert scope.watch(ddp, activations=True) is ddp
+    for step in range(3):
+        with (scope.step(step) if scope is not None else contextlib.nullcontext()) as rec:
+            opt.zero_grad()
+            for micro in range(2):
+                x, y = batch(rank, 10 * step + micro, 3)
+                with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
+                    losses = ((ddp(x) - y) ** 2).mean(1)
+                    if rec is not None:
+                        rec.loss(losses.mean() / 2, per_sample=losses / 2)
+                    (losses.mean() / 2).backward()
+            opt.step()
+    return ddp, len(calls)
+
+
 def rows(path: Path, sql: str) -> list[tuple]:
     con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
@@ -143,6 +181,16 @@ def scope_scenarios(rank: int, world: int, out_dir: str) -> dict:
     scope.close()
     out["timeout_messages"] = [m for m in messages if "collective" in m]
     out["timeout_disabled"] = scope.reducer.disabled
+
+    # 4. The user's DDP is left as it is: bucket views, a comm hook, no_sync micro-batches
+    plain, plain_hooks = accumulating_ddp(None, rank)
+    scope = Scope(root, "untouched", schedule=1, anomalies="trace")
+    scoped, scoped_hooks = accumulating_ddp(scope, rank)
+    scope.close()
+    out["untouched_same"] = all(a.equal(b) for a, b in zip(plain.parameters(),
+                                                            scoped.parameters()))
+    out["untouched_hooks"] = [plain_hooks, scoped_hooks]
+    out["untouched_steps"] = deepscope.open_run(root / "untouched").steps(rank=rank)
 
     run = deepscope.open_run(root / "defaults")
     out["defaults_steps"] = run.steps(rank=rank)
@@ -227,6 +275,15 @@ def test_a_collective_timeout_turns_them_off_with_one_line_and_training_goes_on(
         assert rows(path, "SELECT count(DISTINCT step) FROM kpis") == [(5,)]
     warned = rows(root / "timeout" / "rank0.sqlite", "SELECT message FROM warnings")
     assert len(warned) == 1 and "distributed instruments are off" in warned[0][0]
+
+
+def test_the_users_ddp_is_left_as_it_is(scenarios):
+    _, results = scenarios
+    for r in results:
+        assert r["untouched_same"] is True  # bit-identical to the same DDP run without deepscope
+        plain, scoped = r["untouched_hooks"]
+        assert plain == scoped >= 3  # the comm hook ran on every bucket of every synced step
+        assert r["untouched_steps"] == [0, 1, 2]
 
 
 def _batch_values(rank: int, step: int):
