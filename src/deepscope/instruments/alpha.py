@@ -85,6 +85,19 @@ def line_point(losses: Tensor, projections: Tensor) -> LinePoint:
     return LinePoint(f=f, var_f=var_f, df=df, var_df=var_df)
 
 
+def line_point_of_moments(count: float, loss: Tensor, slope: Tensor) -> LinePoint:
+    """The LinePoint of a batch from `count` samples' moments: loss and slope are each
+    (mean, M2), M2 = Σᵢ (xᵢ − mean)² (e.g. merged over the ranks of a distributed run).
+
+    Raises:
+        ValueError: if count < 2 (no sample variance).
+    """
+    if count < 2:
+        raise ValueError("α needs a batch of at least 2 samples for the loss variance")
+    (f, m2_f), (df, m2_df) = loss.tolist(), slope.tolist()
+    return LinePoint(f=f, var_f=m2_f / (count - 1), df=df, var_df=m2_df / (count - 1))
+
+
 def fit_alpha(start: LinePoint, end: LinePoint, tau: float) -> AlphaFit:
     """Generalised least-squares parabola through both points, and α.
 
@@ -153,7 +166,12 @@ def measure_alpha(start: AlphaStart, losses: Tensor, batch: Batch, end_step: int
     on its batch (`losses`: (B,) ℓᵢ)."""
     projections = batch.projections("end", start.update, start.tau)
     batch.check_complete("Alpha")
-    end = line_point(losses, projections)
+    return alpha_value(start, line_point(losses, projections), end_step)
+
+
+def alpha_value(start: AlphaStart, end: LinePoint, end_step: int) -> QuantityValue:
+    """α of step start.step from its start point and the end point `end` measured at
+    `end_step` along the same direction."""
     fit = fit_alpha(start.point, end, start.tau)
     meta: dict[str, Any] = {
         "tau": start.tau, "end_step": end_step,

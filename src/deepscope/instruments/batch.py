@@ -98,6 +98,10 @@ class Batch:
         """Parameter name -> why its per-sample gradients could not be obtained."""
         return dict(self.engine.unavailable)
 
+    def unavailable_sum(self) -> dict[str, str]:
+        """Parameter name -> why even its mean gradient ḡ could not be obtained."""
+        return dict(self.engine.unavailable_sum)
+
     def check_complete(self, name: str) -> None:
         """Raise when a whole-model quantity would need a parameter without gᵢ."""
         missing = self.unavailable()

@@ -75,6 +75,9 @@ class StepState:
         return time.perf_counter() - wall
 
 
+ZERO_MEAN = "the mean gradient ḡ is exactly zero"
+
+
 def missing(name: str, step: int, reason: str, layer: str = TOTAL) -> QuantityValue:
     """A value of `name` that could not be computed, and why."""
     return QuantityValue(name, step, layer, meta={"reason": reason})

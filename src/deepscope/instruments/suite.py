@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from ..catalogue import needing, spec
+from ..distributed import Reducer
 from ..naming import ModelNames
 from . import alpha
 from .alpha import AlphaStart
@@ -41,6 +42,7 @@ from .base import InstrumentWarning, QuantityValue, describe
 from .batch import Batch
 from .config import check_curvature_mode, resolve_quantities
 from .engine import PerSampleEngine
+from .global_batch import REPLICATED, GlobalStep
 from .histograms.per_step import (
     HIST2D_BINS,
     HIST2D_RANGE,
@@ -64,7 +66,7 @@ from .quantities import (
 )
 from .quantities.curvature_runner import CurvatureRunner
 from .quantities.curvature_runner import hvp_seconds as _hvp_seconds
-from .step import StepState, missing, reduce_loss, rows
+from .step import ZERO_MEAN, StepState, missing, reduce_loss, rows
 
 Schedule = Callable[[int, str], bool]
 # A quantity's compute function: (the suite, the quantity's name, the step, the engine's
@@ -142,6 +144,10 @@ class Instruments:
         names: the recorded names of the model's modules and parameters (`scope.watch`
             passes its own): per-layer values' layers and warnings' locations carry them.
             Default: `model.named_parameters()` / `named_modules()` names as they are.
+        reducer: in a distributed run (`Reducer.create`), every value is over the global
+            batch (all ranks' micro-batches of the step; see `global_batch`), and each
+            rank also gets its own Loss, GradNorm and BatchSize as `local=True` values.
+            Every rank must then instrument the same steps. None: this process's batch.
 
     Raises:
         TypeError / ValueError: for bad arguments, in one line naming the fix; an unknown
@@ -166,6 +172,7 @@ class Instruments:
         hist2d_bins: tuple[int, int] = HIST2D_BINS,
         hist2d_range: tuple[tuple[float, float], tuple[float, float]] = HIST2D_RANGE,
         names: ModelNames | None = None,
+        reducer: Reducer | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -188,6 +195,11 @@ class Instruments:
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
         self.optimizer = optimizer
+        if reducer is not None and not isinstance(reducer, Reducer):
+            raise TypeError("reducer must be a deepscope.distributed.Reducer (Reducer.create()) "
+                            f"or None, got {type(reducer).__name__}")
+        self.reducer = reducer
+        self._partials_layout: dict[str, tuple[int, ...]] | None = None  # see global_batch
         self._histograms = HistogramSettings.from_arguments(
             hist_bins, hist_range, hist2d_bins, hist2d_range, hist2d_per_layer)
         self.hist_bins = hist_bins
@@ -411,7 +423,7 @@ class Instruments:
                 batch_error = describe(error)
         if update is not None:
             state.update_sizes = layer_norms(update)
-        if batch is not None:
+        if batch is not None and self.reducer is None:
             # a failure here is reported by each quantity that needs the products
             with contextlib.suppress(Exception):
                 self._want_dots(state, batch, update)
@@ -419,6 +431,7 @@ class Instruments:
         loss_free = frozenset(self.quantities) - needing("loss")
         if state.loss is None and due - loss_free:
             self._warn(NO_LOSS_WARNING, frozenset(self.quantities) - loss_free)
+        distributed = self.reducer is not None
 
         def attempt(name: str, compute: Callable[[], list[QuantityValue]]) -> None:
             if state.loss is None and name not in loss_free:
@@ -434,6 +447,13 @@ class Instruments:
                 out.extend(compute())
             except Exception as error:  # one failing spares the rest
                 out.append(missing(name, step, describe(error)))
+
+        if distributed:  # the global batch's values, then this rank's own
+            for name in self.quantities:
+                if name in due & REPLICATED:
+                    attempt(name, lambda name=name: COMPUTE[name](self, name, state, batch, update))
+            return out + GlobalStep(self, state, batch, batch_error, update, NO_LOSS,
+                                    COMPUTE).values()
 
         if state.alpha_end is not None:
             start = state.alpha_end
@@ -557,16 +577,13 @@ def _batch_size(name: str, batch: Batch, least: int = 2) -> int:
     return batch.size
 
 
-ZERO_MEAN = "the mean gradient ḡ is exactly zero"
-
-
 @computes("GradNorm")
 def _grad_norm(inst: Instruments, name: str, state: StepState, batch: Batch | None,
                update: list[Tensor] | None) -> list[QuantityValue]:
     value = with_total(batch.grad_sq_norms).sqrt()
     # ḡ needs no per-sample gradients: only parameters whose delivered gradient is unusable
     return rows(name, state.step, inst._names, value, {}, None, "",
-                dict(batch.engine.unavailable_sum))
+                batch.unavailable_sum())
 
 
 # The gradient tests from (the statistics, N = ‖ḡ‖² per layer and total, B)

@@ -38,7 +38,7 @@ from .dense import _flat_rows, _grouped_counts, _materialised
 from .rank_one import _rank_one_1d, _rank_one_2d
 
 __all__ = ["EXTRAS", "Bins", "GradHistogram", "Histogram", "RankOne", "finite_abs_max",
-           "histogram_1d", "histogram_2d", "symmetric_bins"]
+           "histogram_1d", "histogram_2d", "histogram_of_table", "symmetric_bins"]
 
 
 class GradHistogram:
@@ -101,30 +101,47 @@ class GradHistogram:
         if not ok:
             raise ValueError(f"grads must have shape (B, *{shape}), got {got}")
 
-    def result(self) -> Histogram:
-        """The counts so far (one transfer to the host).
+    def table(self) -> Tensor:
+        """The raw class counts so far: float64 (1, bins + 5) for GradHist1d, (param bins +
+        5, bins + 5) for GradHist2d, on the device (exact integers; additive, so tables of
+        disjoint samples sum to the table of their union).
 
         Raises:
             ValueError: if nothing was added.
         """
         if self._counts is None:
             raise ValueError("no per-sample gradients were added to the histogram")
-        table = self._counts.cpu()
-        gy = self.bins.count
-        if self.param_bins is None:
-            row = table[0]
-            counts = row[:gy].numpy().astype(np.int64)
-            return Histogram(counts, _split_extras(row, gy), self.bins.spec())
-        px = self.param_bins.count
-        inside = table[:px]
-        extras = _split_extras(inside.sum(0), gy)
-        outside = table[px:].sum(1).tolist()  # pairs by θ's class
-        extras["param_underflow"] = int(outside[_UNDER])
-        extras["param_overflow"] = int(outside[_OVER])
-        extras["param_nonfinite"] = int(sum(outside[_NAN:]))
-        counts = inside[:, :gy].numpy().astype(np.int64)
-        return Histogram(counts, extras, [self.param_bins.spec(), self.bins.spec()],
-                         _clamped(table.numpy(), px, gy))
+        return self._counts
+
+    def result(self) -> Histogram:
+        """The counts so far (one transfer to the host).
+
+        Raises:
+            ValueError: if nothing was added.
+        """
+        return histogram_of_table(self.table(), self.bins, self.param_bins)
+
+
+def histogram_of_table(table: Tensor, bins: Bins, param_bins: Bins | None = None) -> Histogram:
+    """The Histogram of a raw class-count table (`GradHistogram.table`, possibly summed
+    over the ranks of a distributed run) on the gradient axis `bins` (and the θ axis
+    `param_bins` for GradHist2d)."""
+    table = table.cpu()
+    gy = bins.count
+    if param_bins is None:
+        row = table[0]
+        counts = row[:gy].numpy().astype(np.int64)
+        return Histogram(counts, _split_extras(row, gy), bins.spec())
+    px = param_bins.count
+    inside = table[:px]
+    extras = _split_extras(inside.sum(0), gy)
+    outside = table[px:].sum(1).tolist()  # pairs by θ's class
+    extras["param_underflow"] = int(outside[_UNDER])
+    extras["param_overflow"] = int(outside[_OVER])
+    extras["param_nonfinite"] = int(sum(outside[_NAN:]))
+    counts = inside[:, :gy].numpy().astype(np.int64)
+    return Histogram(counts, extras, [param_bins.spec(), bins.spec()],
+                     _clamped(table.numpy(), px, gy))
 
 
 def _parts(grads: Part | Iterable[Part]) -> Iterable[Part]:

@@ -71,17 +71,34 @@ def histogram_pass(
 ) -> StepHistograms:
     """GradHist1d and GradHist2d (those `due`) per parameter tensor (`names`, at values
     `theta`), from one pass over the per-sample gradients, part by part."""
+    counters, meta = histogram_counters(settings, batch, due, theta and dict(zip(names, theta)))
+    return {name: ({n: counters[name][n].result() for n in names
+                    if n in counters[name]}, meta[name]) for name in counters}
+
+
+def local_abs_max(batch: Batch) -> float:
+    """max |gᵢ,ₐ| over the finite per-sample gradient elements of this batch (an "adaptive"
+    GradHist1d range's bound)."""
+    return finite_abs_max(part for n, part in batch.engine.per_sample_parts()
+                          if n not in batch.unavailable())
+
+
+def histogram_counters(
+    settings: HistogramSettings, batch: Batch, due: frozenset[str],
+    theta: dict[str, Tensor] | None, bound: float | None = None,
+) -> tuple[dict[str, dict[str, GradHistogram]], dict[str, dict[str, Any]]]:
+    """The counters of GradHist1d and GradHist2d (those `due`) per parameter tensor with
+    per-sample gradients (θ by name, for GradHist2d), filled in one pass, and each one's
+    meta. bound: an "adaptive" GradHist1d range's bound (default: this batch's)."""
     due = HISTOGRAM_NAMES & due
     meta: dict[str, dict[str, Any]] = {name: {} for name in due}
     engine = batch.engine
     bins = settings.bins
     # batch.unavailable() is complete once the engine yielded its first part
     if "GradHist1d" in due and bins is None:  # adaptive: a first pass for the range
-        bound = finite_abs_max(part for n, part in engine.per_sample_parts()
-                               if n not in batch.unavailable())
-        bins = symmetric_bins(settings.count, bound)
+        bins = symmetric_bins(settings.count, local_abs_max(batch) if bound is None else bound)
         meta["GradHist1d"]["range"] = "adaptive"
-    values = dict(zip(names, theta or []))
+    values = theta or {}
     param_bins, grad_bins = settings.hist2d
     counters: dict[str, dict[str, GradHistogram]] = {name: {} for name in due}
     for pname, part in engine.per_sample_parts():
@@ -95,8 +112,7 @@ def histogram_pass(
     if batch.unavailable():
         for extra in meta.values():
             extra["excluded"] = sorted(batch.unavailable())
-    return {name: ({n: counters[name][n].result() for n in names
-                    if n in counters[name]}, meta[name]) for name in due}
+    return counters, meta
 
 
 def histogram_values(

@@ -23,7 +23,13 @@ from .curvature import (
     tic_diag,
     tic_trace,
 )
-from .gradient_tests import inner_test, norm_test, ortho_test
+from .gradient_tests import (
+    inner_test,
+    inner_test_of_sums,
+    norm_test,
+    ortho_test,
+    ortho_test_of_sums,
+)
 from .norms import layer_norms, with_total
 from .snr import cabs, early_stopping, mean_gsnr
 
@@ -37,10 +43,12 @@ __all__ = [
     "hess_trace",
     "hessian_diagonal",
     "inner_test",
+    "inner_test_of_sums",
     "layer_norms",
     "mean_gsnr",
     "norm_test",
     "ortho_test",
+    "ortho_test_of_sums",
     "over_budget",
     "tic_diag",
     "tic_trace",

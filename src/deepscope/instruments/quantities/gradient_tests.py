@@ -65,6 +65,33 @@ def ortho_test(
     Returns:
         (R,) float64.
     """
-    S, Q, N = sq_norm_sums.double(), dots_with_mean.double(), grad_sq_norms.double()
-    orthogonal = (S - Q.square().sum(1) / N).clamp(min=0)
+    return ortho_test_of_sums(sq_norm_sums, dots_with_mean.double().square().sum(1),
+                              grad_sq_norms, batch_size)
+
+
+def inner_test_of_sums(
+    dot_sums: Tensor, dot_sq_sums: Tensor, grad_sq_norms: Tensor, batch_size: int
+) -> Tensor:
+    """`inner_test` from ΣᵢQᵢ and ΣᵢQᵢ² per row (sums over the samples of all ranks of a
+    distributed run): Σᵢ (Qᵢ − N)² = ΣᵢQᵢ² − 2NΣᵢQᵢ + B·N², clamped to 0.
+
+    Returns:
+        (R,) float64.
+    """
+    N = grad_sq_norms.double()
+    spread = (dot_sq_sums.double() - 2 * N * dot_sums.double()
+              + batch_size * N.square()).clamp(min=0)
+    return (spread / (_denominator(batch_size, N) * N)).sqrt()
+
+
+def ortho_test_of_sums(
+    sq_norm_sums: Tensor, dot_sq_sums: Tensor, grad_sq_norms: Tensor, batch_size: int
+) -> Tensor:
+    """`ortho_test` from S and ΣᵢQᵢ² per row (sums over the samples of all ranks).
+
+    Returns:
+        (R,) float64.
+    """
+    S, N = sq_norm_sums.double(), grad_sq_norms.double()
+    orthogonal = (S - dot_sq_sums.double() / N).clamp(min=0)
     return (orthogonal / _denominator(batch_size, N)).sqrt()

@@ -1,0 +1,263 @@
+"""Instrument values over the global batch: 2 gloo ranks under DistributedDataParallel
+equal one process on the concatenated batch (float64, rtol 1e-10), with a count of
+deepscope's collectives per step and a failure on one rank only.
+
+The reference runs in the same worker processes: a copy of the model (no DDP) sees the
+whole global batch of each step at the same parameters and, after its backward, takes the
+DDP model's updated parameters (so both record the same update, whatever DDP applied).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tests.distributed.harness import launch
+
+QUANTITIES = ["Loss", "GradNorm", "Distance", "UpdateSize", "NormTest", "InnerTest",
+              "OrthoTest", "GradHist1d", "Alpha", "GradHist2d", "MeanGSNR", "EarlyStopping",
+              "CABS"]
+RTOL = 1e-10
+STEPS = 5  # 0, 1, 2 recorded; 3 only ends step 2's α; 4 not instrumented
+
+
+def _record(step: int, kind: str) -> bool:
+    return step < 3
+
+
+def _model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    else:
+        model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(48, 3))
+    return model.double()
+
+
+def _data(kind: str, step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    shape = (n, 5) if kind == "mlp" else (n, 1, 6, 6)
+    return torch.randn(shape, generator=gen, dtype=torch.float64), torch.randint(
+        0, 3, (n,), generator=gen)
+
+
+class _Counter:
+    """Counts torch.distributed collectives issued on deepscope's own group."""
+
+    NAMES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+             "all_gather_object", "reduce_scatter", "reduce_scatter_tensor", "barrier")
+
+    def __init__(self, group) -> None:
+        import torch.distributed as dist
+
+        self.group, self.calls = group, 0
+        for name in self.NAMES:
+            original = getattr(dist, name)
+
+            def counted(*args, _original=original, **kwargs):
+                if kwargs.get("group") is self.group:
+                    self.calls += 1
+                return _original(*args, **kwargs)
+            setattr(dist, name, counted)
+
+
+def _key(v) -> tuple:
+    return (v.name, v.step, v.layer)
+
+
+def _compare(got: list, want: list) -> dict[str, float]:
+    """Max relative error per quantity; raises on any other difference."""
+    got_map = {_key(v): v for v in got if not v.local}
+    want_map = {_key(v): v for v in want}
+    assert set(got_map) == set(want_map), sorted(set(got_map) ^ set(want_map))
+    errors: dict[str, float] = {}
+    for key, w in want_map.items():
+        g = got_map[key]
+        assert (g.value is None) == (w.value is None), (key, g.meta, w.meta)
+        assert "reason" not in w.meta, (key, w.meta)
+        if w.array is not None:
+            assert g.array is not None and (g.array == w.array).all(), key
+            extras = {k: v for k, v in w.meta.items() if k != "edges"}
+            assert {k: g.meta.get(k) for k in extras} == extras, key
+            err = 0.0
+        else:
+            err = abs(g.value - w.value) / max(abs(w.value), 1e-12)
+        errors[key[0]] = max(errors.get(key[0], 0.0), err)
+    return errors
+
+
+def _run(rank: int, world: int, kind: str, optim: str, sizes: list[int],
+         micro: int = 1) -> dict:
+    """One scenario: DDP on `sizes` samples per rank (`micro` no_sync micro-batches each)
+    against the reference on their concatenation; returns errors, calls per step, and the
+    local values' checks."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from deepscope.distributed import Reducer
+    from deepscope.instruments.suite import Instruments
+
+    model = _model(kind)
+    reference = copy.deepcopy(model)
+    ddp = DDP(model)
+    make = (lambda p: torch.optim.SGD(p, lr=0.1)) if optim == "sgd" else (
+        lambda p: torch.optim.Adam(p, lr=0.01))
+    opt, ref_opt = make(model.parameters()), make(reference.parameters())
+    reducer = Reducer.create(True, timeout_s=30)
+    counter = _Counter(reducer.group)
+    inst = Instruments(model, QUANTITIES, schedule=_record, optimizer=opt, reducer=reducer,
+                       hist2d_per_layer=True)
+    ref = Instruments(reference, QUANTITIES, schedule=_record, optimizer=ref_opt,
+                      hist2d_per_layer=True)
+    lo = sum(sizes[:rank])
+    errors: dict[str, float] = {}
+    calls, local_checks = [], []
+    for step in range(STEPS):
+        x, y = _data(kind, step, sum(sizes))
+        xr, yr = x[lo:lo + sizes[rank]], y[lo:lo + sizes[rank]]
+        # independent local reference: this rank's mean gradient, no DDP sync
+        own = nn.functional.cross_entropy(model(xr), yr)
+        local_grads = torch.autograd.grad(own, list(model.parameters()))
+        before = counter.calls
+        on = inst.wants(step, "train")
+        assert on == ref.wants(step, "train")
+        if on:
+            inst.start(step, "train")
+        opt.zero_grad()
+        chunks = list(zip(xr.chunk(micro), yr.chunk(micro)))
+        for j, (xm, ym) in enumerate(chunks):
+            sync = j == len(chunks) - 1
+            with ddp.no_sync() if not sync else torch.enable_grad():
+                losses = nn.functional.cross_entropy(ddp(xm), ym, reduction="none")
+                loss = losses.mean() / micro
+                if on:
+                    inst.loss(loss, per_sample=losses)
+                loss.backward()
+        opt.step()
+        got = inst.finish() if on else []
+        calls.append(counter.calls - before)
+        if on:
+            ref.start(step, "train")
+        reference.zero_grad()
+        losses = nn.functional.cross_entropy(reference(x), y, reduction="none")
+        if on:
+            ref.loss(losses.mean(), per_sample=losses)
+        losses.mean().backward()
+        with torch.no_grad():  # the update DDP applied
+            for p, q in zip(reference.parameters(), model.parameters()):
+                p.copy_(q)
+        want = ref.finish() if on else []
+        for name, err in _compare(got, want).items():
+            errors[name] = max(errors.get(name, 0.0), err)
+        local = {(v.name, v.layer): v.value for v in got if v.local}
+        if step < 3:
+            norms = [float(g.norm()) for g in local_grads]
+            local_checks.append([
+                local[("BatchSize", "")] == sizes[rank],
+                math.isclose(local[("Loss", "")], float(own), rel_tol=1e-12),
+                math.isclose(local[("GradNorm", "")], math.sqrt(sum(n * n for n in norms)),
+                             rel_tol=1e-10),
+                all(math.isclose(local[("GradNorm", name)], n, rel_tol=1e-10)
+                    for (name, _), n in zip(model.named_parameters(), norms))])
+    return {"errors": errors, "calls": calls, "local": local_checks,
+            "warnings": inst.warnings}
+
+
+def equivalence(rank: int, world: int, out_dir) -> dict:
+    return {f"{kind}-{optim}": _run(rank, world, kind, optim, [8, 8])
+            for kind in ("mlp", "cnn") for optim in ("sgd", "adam")}
+
+
+def _faults(rank: int, world: int) -> dict:
+    """GradHist1d's pass raises on rank 1 only; then the reducer is off."""
+    import deepscope.instruments.global_batch as global_batch
+    from deepscope.distributed import Reducer
+    from deepscope.instruments.suite import Instruments
+
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected on rank 1")
+        global_batch.histogram_counters = broken
+    model = _model("mlp")
+    reducer = Reducer.create(True, timeout_s=30)
+    inst = Instruments(model, ["Loss", "GradNorm", "GradHist1d", "InnerTest"],
+                       reducer=reducer)
+    out = {}
+    for step in range(2):
+        if step == 1:
+            reducer.disabled = "deepscope's collectives are off (test)"
+        x, y = _data("mlp", step, 16)
+        inst.start(step, "train")
+        losses = nn.functional.cross_entropy(model(x[8 * rank:8 * rank + 8]),
+                                             y[8 * rank:8 * rank + 8], reduction="none")
+        inst.loss(losses.mean(), per_sample=losses)
+        model.zero_grad()
+        losses.mean().backward()
+        out[step] = {f"{v.name}{'@local' if v.local else ''}": v.meta.get("reason")
+                     for v in inst.finish() if v.layer == ""}
+    out["warnings"] = inst.warnings
+    return out
+
+
+def special_cases(rank: int, world: int, out_dir) -> dict:
+    return {"unequal": _run(rank, world, "mlp", "sgd", [7, 9]),
+            "no_sync": _run(rank, world, "cnn", "adam", [8, 8], micro=2),
+            "faults": _faults(rank, world)}
+
+
+def _check(result: dict, one_call: bool) -> None:
+    for name in QUANTITIES:
+        assert result["errors"][name] <= RTOL, (name, result["errors"])
+    # steps 0-2 recorded, step 3 ends step 2's α, step 4 not instrumented
+    per_step = 1 if one_call else 2
+    assert result["calls"] == [per_step, per_step, per_step, 1, 0], result["calls"]
+    assert all(all(checks) for checks in result["local"]), result["local"]
+
+
+@pytest.fixture(scope="module")
+def main_results(tmp_path_factory):
+    path = tmp_path_factory.mktemp("equivalence")
+    return [r.check() for r in launch("tests.distributed.test_equivalence:equivalence", path,
+                                      timeout=240)]
+
+
+@pytest.fixture(scope="module")
+def special_results(tmp_path_factory):
+    path = tmp_path_factory.mktemp("special")
+    return [r.check() for r in launch("tests.distributed.test_equivalence:special_cases",
+                                      path, timeout=240)]
+
+
+@pytest.mark.parametrize("scenario", ["mlp-sgd", "mlp-adam", "cnn-sgd", "cnn-adam"])
+def test_two_ranks_equal_one_process_on_the_concatenated_batch(main_results, scenario):
+    for result in main_results:  # every rank returns the global values
+        _check(result[scenario], one_call=True)
+
+
+def test_unequal_batches_are_exact_with_a_second_call(special_results):
+    # DDP applies the mean of the ranks' means, not ḡ: InnerTest / OrthoTest take ḡ's
+    # products in a second call
+    for result in special_results:
+        _check(result["unequal"], one_call=False)
+
+
+def test_no_sync_micro_batches_compose(special_results):
+    for result in special_results:
+        _check(result["no_sync"], one_call=True)
+
+
+def test_a_failure_on_one_rank_is_skipped_on_every_rank(special_results):
+    first, second = (r["faults"] for r in special_results)
+    assert first["0"]["GradHist1d"] == "failed on rank 1 (see its warnings)"
+    assert second["0"]["GradHist1d"] == "failed on rank 1: RuntimeError: injected on rank 1"
+    assert any("GradHist1d failed on rank 1" in w for w in second["warnings"])
+    for result in (first, second):
+        step0, step1 = result["0"], result["1"]
+        assert step0["Loss"] is None and step0["GradNorm"] is None and step0["InnerTest"] is None
+        # reducer off: every global value missing with its reason, local values still there
+        for name in ("Loss", "GradNorm", "GradHist1d", "InnerTest"):
+            assert step1[name] == "deepscope's collectives are off (test)"
+        assert step1["Loss@local"] is None and step1["GradNorm@local"] is None
