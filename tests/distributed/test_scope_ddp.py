@@ -167,10 +167,34 @@ def scope_scenarios(rank: int, world: int, out_dir: str) -> dict:
     out["dynamic_calls"] = [train_step(scope, ddp, opt, rank, s) for s in range(4)]
     scope.close()
 
-    # 3. A collective timeout: rank 1 stalls before step 1's agreement; rank 0's times out.
+    # 2b. Economy through Scope; GradHist1d's pass raises on rank 1 at step 3 only
+    import deepscope.instruments.global_batch as global_batch
+
+    counters, at = global_batch.histogram_counters, {"step": -1}
+
+    def fails_on_rank1_at_3(*args, **kwargs):
+        if rank == 1 and at["step"] == 3:
+            raise RuntimeError("injected on rank 1")
+        return counters(*args, **kwargs)
+
+    global_batch.histogram_counters = fails_on_rank1_at_3
+    ddp, opt = ddp_mlp()
+    scope = Scope(root, "economy", schedule=4, instruments="economy",
+                  instrument_schedule=deepscope.at([0, 3]))
+    scope.watch(ddp, optimizer=opt)
+    out["economy_calls"] = []
+    for s in range(6):
+        at["step"] = s
+        out["economy_calls"].append(train_step(scope, ddp, opt, rank, s, record_input=True))
+    scope.close()
+    global_batch.histogram_counters = counters
+
+    # 3. A collective timeout: rank 1 stalls before step 1's collectives (the instruments',
+    # then the dynamic keep's); rank 0's time out.
     ddp, opt = ddp_mlp()
     scope = Scope(root, "timeout", schedule=10**9, dynamic=1, anomalies=False,
-                  keep_if=lambda rec: True, distributed_timeout_s=2)
+                  keep_if=lambda rec: True, distributed_timeout_s=2,
+                  instruments=["Loss", "GradNorm"], instrument_schedule=1)
     scope.watch(ddp)
     messages: list[str] = []
     handler = logging.Handler()
@@ -275,6 +299,50 @@ def test_a_collective_timeout_turns_them_off_with_one_line_and_training_goes_on(
         assert rows(path, "SELECT count(DISTINCT step) FROM kpis") == [(5,)]
     warned = rows(root / "timeout" / "rank0.sqlite", "SELECT message FROM warnings")
     assert len(warned) == 1 and "distributed instruments are off" in warned[0][0]
+    # rank 0's global values: step 0's, then missing with the reason
+    values = rows(root / "timeout" / "rank0.sqlite", "SELECT step, name, value, meta FROM "
+                  "quantities WHERE layer = '' ORDER BY step, name")
+    assert [(s, n) for s, n, _, _ in values] == [(s, n) for s in range(5)
+                                                 for n in ("GradNorm", "Loss")]
+    assert all(v is not None for s, _, v, _ in values if s == 0)
+    for _, _, value, meta in values[2:]:
+        assert value is None
+        assert "collective across ranks failed" in json.loads(meta)["reason"]
+    for rank in (0, 1):  # every rank's own values on every step, and every dynamic step kept
+        path = root / "timeout" / f"rank{rank}.sqlite"
+        assert rows(path, "SELECT DISTINCT step FROM local_quantities WHERE name = 'Loss' "
+                          "AND value IS NOT NULL ORDER BY step") == [(s,) for s in range(5)]
+        assert rows(path, "SELECT step FROM steps ORDER BY step") == [(s,) for s in range(5)]
+
+
+def test_economy_through_scope_one_call_per_instrumented_step(scenarios):
+    root, results = scenarios
+    for r in results:
+        # instrumented: 0 and 3 (due), 1 and 4 (α's end point); 2 and 5: none, recorded or not
+        assert r["economy_calls"] == [1, 1, 0, 1, 1, 0]
+    rank0, rank1 = (root / "economy" / f"rank{r}.sqlite" for r in (0, 1))
+    steps = rows(rank0, "SELECT DISTINCT step FROM quantities ORDER BY step")
+    assert steps == [(0,), (3,)]  # steps 1 and 4 add α of 0 and 3, stored under 0 and 3
+    assert rows(rank1, "SELECT count(*) FROM quantities") == [(0,)]
+    for path in (rank0, rank1):
+        local = rows(path, "SELECT step, name FROM local_quantities WHERE layer = '' "
+                           "ORDER BY step, name")
+        by_step = {s: {n for t, n in local if t == s} for s in range(6)}
+        for s in (0, 1, 3, 4):  # the instruments' own local values
+            assert by_step[s] == {"BatchSize", "GradNorm", "Loss"}, (s, by_step)
+        assert by_step[2] == by_step[5] == set()  # neither recorded nor instrumented
+    # an instrument failing on rank 1 only: skipped on every rank, the reason recorded
+    hist = rows(rank0, "SELECT step, value, meta FROM quantities WHERE name = 'GradHist1d' "
+                       "AND layer = '' ORDER BY step")
+    assert [s for s, _, _ in hist] == [0, 3]
+    assert json.loads(hist[1][2])["reason"] == "failed on rank 1 (see its warnings)"
+    assert "reason" not in json.loads(hist[0][2])
+    others = rows(rank0, "SELECT name, meta FROM quantities WHERE step = 3 AND layer = '' "
+                         "AND name != 'GradHist1d'")
+    assert others and all("reason" not in json.loads(m) for _, m in others)
+    warned = [m for (m,) in rows(rank1, "SELECT message FROM warnings")]
+    assert any("GradHist1d failed on rank 1: RuntimeError: injected on rank 1" in m
+               for m in warned)
 
 
 def test_the_users_ddp_is_left_as_it_is(scenarios):
