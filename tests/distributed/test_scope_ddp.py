@@ -218,6 +218,15 @@ def scope_scenarios(rank: int, world: int, out_dir: str) -> dict:
 
     run = deepscope.open_run(root / "defaults")
     out["defaults_steps"] = run.steps(rank=rank)
+    # 5. (last: the ranks' group counters differ after it) A Scope on rank 0 only
+    if rank == 0:
+        try:
+            Scope(root, "alone", distributed_timeout_s=2)
+        except ValueError as error:
+            out["alone"] = str(error)
+    else:
+        time.sleep(4)
+
     found = run.anomalies(rank=rank)
     out["defaults_nonfinite"] = found[found.detector == "nonfinite"][
         ["step", "tensor", "message"]].values.tolist()
@@ -313,6 +322,14 @@ def test_a_collective_timeout_turns_them_off_with_one_line_and_training_goes_on(
         assert rows(path, "SELECT DISTINCT step FROM local_quantities WHERE name = 'Loss' "
                           "AND value IS NOT NULL ORDER BY step") == [(s,) for s in range(5)]
         assert rows(path, "SELECT step FROM steps ORDER BY step") == [(s,) for s in range(5)]
+
+
+def test_a_scope_on_one_rank_only_fails_in_one_line_after_the_timeout(scenarios):
+    _, results = scenarios
+    assert results[0]["alone"] == (
+        "the other ranks did not create their Scope within distributed_timeout_s=2 s "
+        "(DistStoreError); create a Scope on every rank at the same point, or pass "
+        "distributed=False to record on some ranks only")
 
 
 def test_economy_through_scope_one_call_per_instrumented_step(scenarios):

@@ -65,6 +65,7 @@ class Scope:
         values and the same run id, and the ranks agree on what must not differ (see
         docs/distributed.md, "Recording"). Creating the Scope is then collective: every
         rank creates its Scope at the same point of the program, with the same arguments.
+        `scope.reducer` holds deepscope's collectives (None when off).
     distributed_timeout_s: how long one of deepscope's collectives waits for the other ranks
         (seconds); past it, distributed instruments are off for the rest of the run (one
         warning line, the values missing with the reason) and training goes on.
@@ -163,7 +164,14 @@ class Scope:
         self._world = world_size()
         # Collective (a process group of deepscope's own): after every check above, which
         # fails alike on every rank, so that no rank waits for one that raised.
-        self.reducer = Reducer.create(distributed, distributed_timeout_s)
+        try:
+            self.reducer = Reducer.create(distributed, distributed_timeout_s)
+        except RuntimeError as exc:  # torch's DistStoreError: the other ranks never came
+            raise ValueError(
+                f"the other ranks did not create their Scope within distributed_timeout_s="
+                f"{distributed_timeout_s:g} s ({type(exc).__name__}); create a Scope on every "
+                "rank at the same point, or pass distributed=False to record on some ranks "
+                "only") from None
         if self.reducer is not None and rank is not None and rank != self.reducer.rank:
             raise ValueError(f"rank={rank} differs from this process's torch.distributed rank "
                              f"{self.reducer.rank}; leave rank unset in a distributed run")
@@ -196,7 +204,7 @@ class Scope:
                 shutil.rmtree(self.run_dir)  # not a shared folder: this rank's own copy
         writer, error = None, None
         try:
-            writer = self._create_writer(run, False, resume, queue_size, on_full)
+            writer = self._create_writer(run, overwrite, resume, queue_size, on_full)
         except ValueError as exc:
             error = exc
         try:
@@ -234,7 +242,7 @@ class Scope:
     def _create_writer(self, run: str, overwrite: bool, resume: bool, queue_size: int,
                        on_full: str) -> StoreWriter:
         target = rank_file(self.run_dir, self.rank)
-        if self.reducer is None:
+        if self.reducer is None:  # (distributed: _open_writer did this for all ranks)
             existing = rank_files(self.run_dir)
             self._check_existing(run, existing, overwrite, resume)
             if overwrite and existing:
