@@ -91,10 +91,11 @@ def _compare(got: list, want: list) -> dict[str, float]:
 
 
 def _run(rank: int, world: int, kind: str, optim: str, sizes: list[int],
-         micro: int = 1) -> dict:
-    """One scenario: DDP on `sizes` samples per rank (`micro` no_sync micro-batches each)
-    against the reference on their concatenation; returns errors, calls per step, and the
-    local values' checks."""
+         micro: int = 1, hist_range: tuple[float, float] | str = (-2.0, 2.0),
+         clip: float | None = None) -> dict:
+    """One scenario: DDP on `sizes` samples per rank (`micro` no_sync micro-batches each,
+    gradients clipped to norm `clip`) against the reference on their concatenation; returns
+    errors, calls per step, and the local values' checks."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from deepscope.distributed import Reducer
@@ -109,9 +110,9 @@ def _run(rank: int, world: int, kind: str, optim: str, sizes: list[int],
     reducer = Reducer.create(True, timeout_s=30)
     counter = _Counter(reducer.group)
     inst = Instruments(model, QUANTITIES, schedule=_record, optimizer=opt, reducer=reducer,
-                       hist2d_per_layer=True)
+                       hist2d_per_layer=True, hist_range=hist_range)
     ref = Instruments(reference, QUANTITIES, schedule=_record, optimizer=ref_opt,
-                      hist2d_per_layer=True)
+                      hist2d_per_layer=True, hist_range=hist_range)
     lo = sum(sizes[:rank])
     errors: dict[str, float] = {}
     calls, local_checks = [], []
@@ -136,6 +137,9 @@ def _run(rank: int, world: int, kind: str, optim: str, sizes: list[int],
                 if on:
                     inst.loss(loss, per_sample=losses)
                 loss.backward()
+        if clip is not None:  # .grad = c·ḡ: InnerTest / OrthoTest still take one call
+            norm = nn.utils.clip_grad_norm_(model.parameters(), clip)
+            assert float(norm) > clip
         opt.step()
         got = inst.finish() if on else []
         calls.append(counter.calls - before)
@@ -172,7 +176,8 @@ def equivalence(rank: int, world: int, out_dir) -> dict:
 
 
 def _faults(rank: int, world: int) -> dict:
-    """GradHist1d's pass raises on rank 1 only; then the reducer is off."""
+    """GradHist1d's pass raises on rank 1 only; then the reducer is off. Without DDP each
+    rank's .grad is its own gradient, so InnerTest takes the exact ḡ in a second call."""
     import deepscope.instruments.global_batch as global_batch
     from deepscope.distributed import Reducer
     from deepscope.instruments.suite import Instruments
@@ -185,7 +190,14 @@ def _faults(rank: int, world: int) -> dict:
     reducer = Reducer.create(True, timeout_s=30)
     inst = Instruments(model, ["Loss", "GradNorm", "GradHist1d", "InnerTest"],
                        reducer=reducer)
-    out = {}
+    reference = copy.deepcopy(model)
+    ref = Instruments(reference, ["InnerTest"])
+    x, y = _data("mlp", 0, 16)
+    ref.start(0, "train")
+    losses = nn.functional.cross_entropy(reference(x), y, reduction="none")
+    ref.loss(losses.mean(), per_sample=losses)
+    losses.mean().backward()
+    out = {"inner": [v.value for v in ref.finish() if v.layer == ""]}
     for step in range(2):
         if step == 1:
             reducer.disabled = "deepscope's collectives are off (test)"
@@ -196,24 +208,69 @@ def _faults(rank: int, world: int) -> dict:
         inst.loss(losses.mean(), per_sample=losses)
         model.zero_grad()
         losses.mean().backward()
-        out[step] = {f"{v.name}{'@local' if v.local else ''}": v.meta.get("reason")
-                     for v in inst.finish() if v.layer == ""}
+        got = [v for v in inst.finish() if v.layer == ""]
+        out[step] = {f"{v.name}{'@local' if v.local else ''}": v.meta.get("reason") for v in got}
+        if step == 0:
+            out["calls"] = reducer.calls
+            out["inner"] += [v.value for v in got if v.name == "InnerTest"]
     out["warnings"] = inst.warnings
     return out
 
 
+class _FakeCurvature:
+    """A curvature runner that leaves partial sums (each rank's is rank + 1) for a
+    Linear(5, 1): finalize makes every trace their sum and the diagonal ones."""
+
+    def run(self, mean_loss, params, due, step, forward_s):
+        import torch.distributed as dist
+
+        return {"partials": {"t": torch.tensor([dist.get_rank() + 1.0])}}, {}
+
+    def finalize(self, partials, samples):
+        one = torch.ones((), dtype=torch.float64)
+        return {"traces": partials["t"].expand(3).clone(), "diagonal_meta": {"samples": samples},
+                "diagonal": [one.expand(1, 5), one.expand(1)]}
+
+
+def _curvature_hand_off(rank: int, world: int) -> dict:
+    """The runner's partials travel in the one call, finalize gets their sums, and TIC
+    takes the global batch's second moments."""
+    from deepscope.distributed import Reducer
+    from deepscope.instruments.suite import Instruments
+
+    model = nn.Linear(5, 1).double()
+    reducer = Reducer.create(True, timeout_s=30)
+    inst = Instruments(model, ["Loss", "HessTrace", "TICDiag", "TICTrace"], reducer=reducer)
+    inst._curvature = _FakeCurvature()
+    x, y = _data("mlp", 0, 16)
+    y = y.double()
+    squares = 0.0  # Σᵢ Σₐ gᵢ,ₐ² over the global batch, sample by sample
+    for i in range(16):
+        loss = (model(x[i:i + 1]).squeeze(1) - y[i:i + 1]).square().sum()
+        squares += sum(float(g.square().sum()) for g in torch.autograd.grad(loss, list(
+            model.parameters())))
+    inst.start(0, "train")
+    losses = (model(x[8 * rank:8 * rank + 8]).squeeze(1) - y[8 * rank:8 * rank + 8]).square()
+    inst.loss(losses.mean(), per_sample=losses)
+    losses.mean().backward()
+    got = {v.name: (v.value, v.meta) for v in inst.finish() if not v.local and v.layer == ""}
+    return {"got": got, "calls": reducer.calls,
+            "tic": [squares / 16 / (1 + 1e-7), squares / 16 / (3 + 1e-7)]}
+
+
 def special_cases(rank: int, world: int, out_dir) -> dict:
     return {"unequal": _run(rank, world, "mlp", "sgd", [7, 9]),
-            "no_sync": _run(rank, world, "cnn", "adam", [8, 8], micro=2),
-            "faults": _faults(rank, world)}
+            "no_sync": _run(rank, world, "cnn", "adam", [8, 8], micro=2, hist_range="adaptive",
+                            clip=1e-3),
+            "faults": _faults(rank, world),
+            "curvature": _curvature_hand_off(rank, world)}
 
 
-def _check(result: dict, one_call: bool) -> None:
+def _check(result: dict, calls: int) -> None:
     for name in QUANTITIES:
         assert result["errors"][name] <= RTOL, (name, result["errors"])
     # steps 0-2 recorded, step 3 ends step 2's α, step 4 not instrumented
-    per_step = 1 if one_call else 2
-    assert result["calls"] == [per_step, per_step, per_step, 1, 0], result["calls"]
+    assert result["calls"] == [calls, calls, calls, 1, 0], result["calls"]
     assert all(all(checks) for checks in result["local"]), result["local"]
 
 
@@ -234,19 +291,32 @@ def special_results(tmp_path_factory):
 @pytest.mark.parametrize("scenario", ["mlp-sgd", "mlp-adam", "cnn-sgd", "cnn-adam"])
 def test_two_ranks_equal_one_process_on_the_concatenated_batch(main_results, scenario):
     for result in main_results:  # every rank returns the global values
-        _check(result[scenario], one_call=True)
+        _check(result[scenario], calls=1)
 
 
 def test_unequal_batches_are_exact_with_a_second_call(special_results):
     # DDP applies the mean of the ranks' means, not ḡ: InnerTest / OrthoTest take ḡ's
     # products in a second call
     for result in special_results:
-        _check(result["unequal"], one_call=False)
+        _check(result["unequal"], calls=2)
 
 
 def test_no_sync_micro_batches_compose(special_results):
+    # with gradient clipping; an adaptive GradHist1d range adds one MAX call
     for result in special_results:
-        _check(result["no_sync"], one_call=True)
+        _check(result["no_sync"], calls=2)
+
+
+def test_curvature_partials_are_summed_in_the_same_call(special_results):
+    for result in special_results:
+        curvature = result["curvature"]
+        assert curvature["calls"] == 1
+        got = curvature["got"]
+        assert got["HessTrace"] == [3.0, {"samples": 16}]
+        assert got["Loss"][0] is not None
+        tic_diag, tic_trace = curvature["tic"]
+        assert math.isclose(got["TICDiag"][0], tic_diag, rel_tol=RTOL), (got, tic_diag)
+        assert math.isclose(got["TICTrace"][0], tic_trace, rel_tol=RTOL), (got, tic_trace)
 
 
 def test_a_failure_on_one_rank_is_skipped_on_every_rank(special_results):
@@ -255,6 +325,9 @@ def test_a_failure_on_one_rank_is_skipped_on_every_rank(special_results):
     assert second["0"]["GradHist1d"] == "failed on rank 1: RuntimeError: injected on rank 1"
     assert any("GradHist1d failed on rank 1" in w for w in second["warnings"])
     for result in (first, second):
+        assert result["calls"] == 2  # the ranks' .grad differ: ḡ's products in a second call
+        want, got = result["inner"]
+        assert math.isclose(got, want, rel_tol=RTOL), (got, want)
         step0, step1 = result["0"], result["1"]
         assert step0["Loss"] is None and step0["GradNorm"] is None and step0["InnerTest"] is None
         # reducer off: every global value missing with its reason, local values still there

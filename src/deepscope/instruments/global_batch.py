@@ -94,7 +94,7 @@ class GlobalBatch:
     """
 
     size: int
-    grad_mean: list[Tensor]
+    grad_mean: list[Tensor] | None
     sq_norm_sums: Tensor | None
     second_moment_sums: list[Tensor] | None
     lacking: dict[str, str]
@@ -154,16 +154,20 @@ def _merged(block: Tensor, column: int) -> Tensor:
 
 
 def common_factor(spec: list[Tensor], exact: list[Tensor]) -> float | None:
-    """c with spec = c·exact up to round-off of spec's dtype (norm-wise), or None."""
-    s = torch.cat([t.reshape(-1).double() for t in spec])
-    e = torch.cat([t.reshape(-1).to(s.device, torch.float64) for t in exact])
-    ee = float(e @ e)
+    """c with spec = c·exact up to round-off of spec's dtype (norm-wise over all tensors),
+    or None; float64, tensor by tensor (no flat copies)."""
+    pairs = [(s.reshape(-1).double(), e.reshape(-1).to(s.device, torch.float64))
+             for s, e in zip(spec, exact)]
+    se = sum(float(torch.dot(s, e)) for s, e in pairs)
+    ee = sum(float(torch.dot(e, e)) for _, e in pairs)
+    ss = sum(float(torch.dot(s, s)) for s, _ in pairs)
     if not math.isfinite(ee) or ee == 0:
         return None
-    c = float(s @ e) / ee
+    c = se / ee
     tolerance = min(SPEC_ULPS * torch.finfo(spec[0].dtype).eps, 1e-3)
-    residual = float(torch.linalg.vector_norm(s - c * e))
-    if not math.isfinite(c) or c == 0 or residual > tolerance * float(torch.linalg.vector_norm(s)):
+    # the residual itself, not ss − 2c·se + c²·ee: that cancels far below this tolerance
+    residual = math.sqrt(sum(float(torch.linalg.vector_norm(s - c * e)) ** 2 for s, e in pairs))
+    if not math.isfinite(c) or c == 0 or not residual <= tolerance * math.sqrt(ss):
         return None
     return c
 
@@ -217,9 +221,10 @@ class GlobalStep:
         except CollectiveError as error:
             return [self._missing(item, str(error)) for item in self.items]
         failed = self._agreed_failures(reduced["flags"])
-        gbatch = self._global_batch(reduced) if "grad_sum" in self.stats else None
+        engine = self.stats & {"grad_sum", "sq_norm_sums", "second_moments"}
+        gbatch = self._global_batch(reduced) if engine else None
         dots: tuple[Tensor, Tensor] | str | None = None
-        if "dots" in self.stats and not {"InnerTest", "OrthoTest"} & set(self.items) <= set(failed):
+        if {"InnerTest", "OrthoTest"} & set(self.items) - set(failed):  # same on every rank
             dots = self._dots(reduced, gbatch)
         curvature = self._curvature(reduced) if "curvature" in self.stats else None
         out = []
@@ -272,8 +277,7 @@ class GlobalStep:
         return float(bound[0])
 
     def _phase_one(self, bound: float | None) -> dict[str, Tensor]:
-        state, batch, names = self.state, self.batch, self.names
-        K, D = len(names), sum(p.numel() for p in self.params)
+        K, D = len(self.names), sum(p.numel() for p in self.params)
         device = self.params[0].device
         pack = _Pack(self.reducer)
         flags = pack.block("flags", len(self.items))
@@ -282,29 +286,43 @@ class GlobalStep:
                          for i in self.items)
         lacking = pack.block("lacking", 2 * K) if engine_due else None
         fields = {stat: pack.add(stat, shape, where) for stat, shape, where in (
-            ("grad_sum", (D,), device), ("sq_norm_sums", (K,), "cpu"),
-            ("dots", (2, K + 1), "cpu"), ("second_moments", (D,), device),
+            ("grad_sum", (D,), device), ("sq_norm_sums", (K,), device),
+            ("dots", (2, K + 1), device), ("second_moments", (D,), device),
             ("hist1d", (K, 1, self.inst._histograms.count + len(EXTRAS)), device),
             ("hist2d", (K, *(b.count + len(EXTRAS) for b in self.inst._histograms.hist2d)),
              device),
         ) if stat in self.stats}
         fingerprint = pack.block("fingerprint", 2 * K + 1) if "dots" in self.stats else None
         partials = self._partials(pack) if "curvature" in self.stats else {}
+        try:  # whatever fails here, this rank still joins the call (else the others stall)
+            self._fill_local(moments, fields, fingerprint, partials, lacking, bound)
+        except Exception as error:
+            for item in self.items:
+                self.local_failed.setdefault(item, describe(error))
+        for j, item in enumerate(self.items):
+            flags[j] = float(item in self.local_failed)
+        return pack.reduce()
 
+    def _fill_local(self, moments: Tensor, fields: dict[str, Tensor],
+                    fingerprint: Tensor | None, partials: dict[str, Tensor],
+                    lacking: Tensor | None, bound: float | None) -> None:
+        """This rank's statistics into the packed tensors (a failing one: zeros there, and
+        its quantities failed here)."""
+        state, batch, names = self.state, self.batch, self.names
         if state.losses is not None:
             moments[_N] = state.losses.shape[0]
             self._fill("moments", lambda: moments[_LOSS:_LOSS + 2].copy_(
                 _moments(state.losses)))
         self._want_dots(fields, fingerprint)
-        self._fill("grad_sum", lambda: fields["grad_sum"].copy_(torch.cat(
-            [(g.double() * batch.size).reshape(-1) for g in batch.grad_mean])))
+        self._fill("grad_sum", lambda: self._flat_into(fields["grad_sum"], batch.grad_mean,
+                                                       batch.size))
         self._fill("sq_norm_sums", lambda: fields["sq_norm_sums"].copy_(batch.sq_norm_sums))
         if self.spec is not None:
             self._fill("dots", lambda: self._dot_sums(fields["dots"], "mean"))
         self._fill("start", lambda: self._slopes(moments, _START))
         self._fill("end", lambda: self._slopes(moments, _END))
-        self._fill("second_moments", lambda: fields["second_moments"].copy_(torch.cat(
-            [m.double().reshape(-1) for m in batch.second_moment_sums])))
+        self._fill("second_moments", lambda: self._flat_into(fields["second_moments"],
+                                                             batch.second_moment_sums))
         if "hist1d" in fields or "hist2d" in fields:
             self._histograms(fields, bound)
         for key, tensor in partials.items():
@@ -315,9 +333,16 @@ class GlobalStep:
                 lacking.copy_(torch.tensor(
                     [float(n in batch.unavailable()) for n in names]
                     + [float(n in batch.unavailable_sum()) for n in names], dtype=torch.float64))
-        for j, item in enumerate(self.items):
-            flags[j] = float(item in self.local_failed)
-        return pack.reduce()
+
+    def _flat_into(self, out: Tensor, tensors: list[Tensor], scale: float = 1.0) -> None:
+        """out (D,) ← the parameter-shaped `tensors` flattened in order (float64), × scale."""
+        at = 0
+        for t in tensors:
+            part = out[at:at + t.numel()]
+            part.copy_(t.reshape(-1))
+            if scale != 1.0:
+                part.mul_(scale)
+            at += t.numel()
 
     def _want_dots(self, fields: dict[str, Tensor], fingerprint: Tensor | None) -> None:
         """Register every gᵢ·v of this step before the first, so they share one pass: ḡ_spec
@@ -345,7 +370,7 @@ class GlobalStep:
 
     def _dot_sums(self, out: Tensor, key: str) -> None:
         """out ← [ΣᵢQᵢ, ΣᵢQᵢ²] per tensor and in total, Qᵢ = gᵢᵀv for the vectors `key`."""
-        q = with_total(self.batch.dots(key)).cpu()
+        q = with_total(self.batch.dots(key))
         out.copy_(torch.stack([q.sum(1), q.square().sum(1)]))
 
     def _slopes(self, moments: Tensor, column: int) -> None:
@@ -380,7 +405,7 @@ class GlobalStep:
         step that had them (zeros and a failure here when this rank has none)."""
         got = self.state.curvature.get("partials")
         layout = self.inst._partials_layout
-        if isinstance(got, dict):
+        if isinstance(got, dict) and all(isinstance(v, Tensor) for v in got.values()):
             layout = {k: tuple(v.shape) for k, v in sorted(got.items())}
             self.inst._partials_layout = layout
         else:
@@ -422,21 +447,20 @@ class GlobalStep:
 
     def _global_batch(self, reduced: dict[str, Tensor]) -> GlobalBatch:
         size = int(reduced["moments"][:, _N].sum())
-        flat = reduced["grad_sum"] / size if size else reduced["grad_sum"] * math.nan
-        grad_mean = [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in self.params]),
-                                                   self.params)]
-        second = reduced.get("second_moments")
-        batch = self.batch
-        lacking = reduced.get("lacking")
+        batch, lacking, K = self.batch, reduced.get("lacking"), len(self.names)
         local = batch.unavailable() if batch is not None else {}
         local_sum = batch.unavailable_sum() if batch is not None else {}
-        K = len(self.names)
+        sums, second = reduced.get("grad_sum"), reduced.get("second_moments")
         return GlobalBatch(
-            size, grad_mean, reduced.get("sq_norm_sums"),
-            None if second is None else [v.view_as(p) for v, p in zip(
-                second.split([p.numel() for p in self.params]), self.params)],
+            size, None if sums is None else self._split(sums / size if size else sums * math.nan),
+            reduced.get("sq_norm_sums"), None if second is None else self._split(second),
             self._lacking(lacking, 0, local) if lacking is not None else {},
             self._lacking(lacking, K, local_sum) if lacking is not None else {})
+
+    def _split(self, flat: Tensor) -> list[Tensor]:
+        """A flat (D,) tensor as one tensor per parameter, parameter-shaped (views)."""
+        return [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in self.params]),
+                                              self.params)]
 
     def _dots(self, reduced: dict[str, Tensor], gbatch: GlobalBatch) -> tuple[Tensor, Tensor] | str:
         """(Σᵢ gᵢᵀḡ, Σᵢ (gᵢᵀḡ)²) per tensor and in total over the global batch, or why not:
@@ -450,7 +474,7 @@ class GlobalStep:
                 return sums / c, squares / (c * c)
         pack = _Pack(self.reducer)
         flag = pack.block("flags", 1)
-        out = pack.add("dots", (2, len(self.names) + 1))
+        out = pack.add("dots", (2, len(self.names) + 1), self.params[0].device)
         try:
             with torch.no_grad():
                 self.batch.want("exact", {n: g.to(p.dtype) for n, g, p in
@@ -510,7 +534,8 @@ class GlobalStep:
                         gbatch.unavailable())
         if isinstance(curvature, str) and "curvature" in NEEDS[item]:
             raise RuntimeError(curvature)
-        whole = dataclasses.replace(state, loss=loss[0].clone(), curvature=curvature or {})
+        whole = dataclasses.replace(state, loss=loss[0].clone(),
+                                    curvature=curvature if isinstance(curvature, dict) else {})
         return self.compute[item](self.inst, item, whole, gbatch, self.update)
 
     def _alpha_start(self, size: int, loss: Tensor, moments: Tensor) -> list[QuantityValue]:

@@ -19,7 +19,9 @@ is reported with value None and meta["reason"]; finish() never raises.
 
 `Instruments` is the driver: the step's state is one `StepState` (step.py), the engine's
 statistics one `Batch` (batch.py); α's two steps live in alpha.py, the histogram pass in
-histograms/per_step.py, the curvature in quantities/curvature_runner.py.
+histograms/per_step.py, the curvature in quantities/curvature_runner.py; in a distributed
+run (`reducer=`) global_batch.py turns every rank's statistics into values of the global
+batch.
 """
 
 from __future__ import annotations
@@ -366,7 +368,9 @@ class Instruments:
         """Compute every due quantity after the user's backward and optimiser step.
 
         Returns the values of this step, α of the previous step (under its step), and
-        anything deferred (e.g. an α whose end step never came). Never raises.
+        anything deferred (e.g. an α whose end step never came); in a distributed run the
+        values of the global batch on every rank, then this rank's own (`local=True`: Loss,
+        BatchSize, GradNorm). Never raises.
         """
         values, self._deferred = self._deferred, []
         state = self._state
