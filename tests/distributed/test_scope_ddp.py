@@ -1,7 +1,9 @@
 """`Scope` in a 2-rank DDP job: rank files and their meta, local values, rank-named health
 findings, agreed dynamic decisions, the collectives each step costs (a counting shim around
-torch.distributed), and a collective timeout that turns them off while training goes on.
-One harness launch runs every scenario (each in its own run folder)."""
+torch.distributed), economy over the global batch with an instrument failing on one rank,
+a collective timeout that turns them off while training goes on, the user's DDP left as it
+is, and a Scope created on one rank only. One harness launch runs every scenario (each in
+its own run folder)."""
 
 from __future__ import annotations
 
