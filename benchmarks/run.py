@@ -36,6 +36,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ROOT / "benchmarks" / "workload.py"
+DDP_WORKLOAD = ROOT / "benchmarks" / "ddp_overhead.py"  # "ddp:" specs: 2 ranks (and the rest)
 PEERS_VENV = ROOT / ".venv-peers"
 PEER_TOOLS = ("comgra", "cockpit")
 # Installed in this order into .venv-peers. torch comes first (this machine's CPU build) and is
@@ -192,6 +193,17 @@ GROUPS: tuple[Group, ...] = (
               Entry("Cockpit economy", "cockpit:transformer:economy"),
           ), note="Cockpit is expected to fail here (BackPACK has no extension for "
              "`nn.MultiheadAttention`); its error is shown."),
+    Group("ddp", "DistributedDataParallel — 2 ranks (gloo, CPU, 1 thread each), MLP "
+          "784-256-256-10, batch 128 per rank, every step", (
+              Entry(PLAIN, "ddp:mlp:train"),
+              Entry("deepscope economy, 2-rank DDP (global batch)", "ddp:mlp:economy"),
+              Entry("deepscope economy, 1 process (no DDP)", "deepscope:mlp:economy"),
+          ), note="benchmarks/ddp_overhead.py. deepscope: `Scope(schedule=never, instruments="
+             "\"economy\", instrument_schedule=every step)` around the DDP model; its ratio "
+             "is against plain DDP steps taking turns with it in the same 2 processes (10 "
+             "steps each, a fixed step count). Beside it, the 1-process economy ratio of the "
+             "same model and per-rank batch. Collectives: deepscope's own per step (waiting "
+             "for the other rank included). " + PAIRED_NOTE, min_repeats=5, paired=True),
 )
 
 
@@ -255,7 +267,8 @@ def run_worker(python: Path, specs: list[str], settings: Settings, paired: bool 
                ) -> list[dict[str, Any]]:
     """Run `workload.py` once for `specs`; one record per spec."""
     with tempfile.TemporaryDirectory(prefix="deepscope-bench-") as workdir:
-        cmd = [str(python), str(WORKLOAD), "--steps", str(settings.steps), "--warmup",
+        script = DDP_WORKLOAD if any(s.startswith("ddp:") for s in specs) else WORKLOAD
+        cmd = [str(python), str(script), "--steps", str(settings.steps), "--warmup",
                str(settings.warmup), "--max-seconds", str(settings.max_seconds), "--dir",
                workdir, *(["--paired"] if paired else []), *specs]
         try:
@@ -370,7 +383,12 @@ def summarize(group: Group, records: Records) -> list[dict[str, Any]]:
             steps=ok[0]["steps"], warmup=ok[0]["warmup"], versions=ok[0]["versions"],
             repeats=[{k: r.get(k) for k in ("ms_median", "ms_mean", "plain_ms_median",
                                             "plain_ms_mean", "peak_rss_mb", "bytes",
-                                            "stored_steps", "close_s", "error")} for r in runs])
+                                            "stored_steps", "close_s", "error",
+                                            "collective_ms")} for r in runs])
+        collective = [r["collective_ms"] for r in ok if "collective_ms" in r]
+        if collective:  # deepscope's own collectives (ddp group)
+            row["collective_ms"] = statistics.median(collective)
+            row["collectives"] = ok[0]["collectives"]
     for entry in group.entries:
         row = rows[entry.label]
         peer = rows.get(entry.peer) if entry.peer else None
@@ -529,6 +547,9 @@ def render_markdown(results: dict[str, Any]) -> str:
                          f"{fmt(row['peak_rss_mb'], 0)} MB | "
                          f"{fmt_bytes(row['bytes_per_step'])} | {vs} | "
                          f"{fmt(row.get('bytes_fraction'), 3)} |")
+        lines += [f"\n{row['label']}: deepscope's collectives {fmt(row['collective_ms'])} ms per "
+                  f"step ({fmt(row['collectives'], 0)} per step), median over repeats"
+                  for row in group["rows"] if row.get("collective_ms") is not None]
     return "\n".join(lines) + "\n"
 
 
@@ -617,7 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     peers = peers_status(args)
     pythons: dict[str, Path | str] = {"plain": Path(sys.executable),
-                                      "deepscope": Path(sys.executable)}
+                                      "deepscope": Path(sys.executable),
+                                      "ddp": Path(sys.executable)}
     pythons.update({tool: peers for tool in PEER_TOOLS})
     measure = measure_quick if args.quick else measure_full
     records = measure(groups, settings, pythons)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..records import StepPayload
+from ..records import QuantityValue, StepPayload
 from .buffers import BufferPool
 
 
@@ -52,7 +52,8 @@ class StepOutcome:
     failed: the user's step raised (nothing half-done is stored). instrumented: the
     instruments took part. kpis: (name, value) logged in the step. recorded: its tensors were
     captured; keep() then says whether to store them (dynamic recording), payload() builds
-    what the writer stores.
+    what the writer stores. tentative: recorded only because `dynamic` chose it. local():
+    this rank's BatchSize and Loss of a recorded step (for a distributed run's rank file).
     """
 
     step: int
@@ -63,3 +64,5 @@ class StepOutcome:
     recorded: bool
     keep: Callable[[], bool]
     payload: Callable[[], StepPayload]
+    tentative: bool = False
+    local: Callable[[], list[QuantityValue]] = list

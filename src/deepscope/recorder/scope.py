@@ -11,6 +11,7 @@ import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +19,17 @@ import torch
 from torch import nn
 
 from ..anomalies.monitor import HealthMonitor
+from ..distributed import DEFAULT_TIMEOUT_S, CollectiveError, Reducer
 from ..errors import DeepscopeWarning
 from ..hookstate import hooks_paused
 from ..naming import ModelNames
+from ..records import InstrumentWarning
 from ..store import limits
 from ..store.layout import check_run_name, rank_file, rank_files
 from ..store.writer import FINISHED, INTERRUPTED, RunLock, StoreWriter
 from .buffers import BufferPool
 from .context import StepContext, StepOutcome
+from .ranks import agree_run_id, any_rank, first_failure, run_meta, unwrap, world_size
 from .schedule import Schedule, as_schedule, every
 from .stats import DEFAULT_MAX_NEURONS
 from .step import StepRecorder, check_text
@@ -54,6 +58,17 @@ class Scope:
         Each run and rank has one writer (an OS lock, released when its process ends); a
         second one is refused. resume continues after the last committed step.
     rank: this process's rank file (default: the torch.distributed rank, else 0).
+    distributed: "auto" (default): on when a torch.distributed process group of world size
+        > 1 is initialised; True: required (an error without one); False: each rank records
+        alone, its instrument values those of its own micro-batch. On, instrument values mean
+        the global batch (rank 0's file holds them), every rank's file holds its local
+        values and the same run id, and the ranks agree on what must not differ (see
+        docs/distributed.md, "Recording"). Creating the Scope is then collective: every
+        rank creates its Scope at the same point of the program, with the same arguments.
+        `scope.reducer` holds deepscope's collectives (None when off).
+    distributed_timeout_s: how long one of deepscope's collectives waits for the other ranks
+        (seconds); past it, distributed instruments are off for the rest of the run (one
+        warning line, the values missing with the reason) and training goes on.
     on_full: "block" (back-pressure) or "drop" (drop whole steps) when the writer lags.
     exact_views: store per-neuron / per-sample aggregate views as float32 instead of
         bfloat16 (twice the bytes). Statistics and sample values are always exact.
@@ -83,7 +98,8 @@ class Scope:
                  singular_values: bool = False, max_neurons: int = DEFAULT_MAX_NEURONS,
                  exact_views: bool = False, anomalies: str | bool | None = "check",
                  on_anomaly: Callable[[Any], None] | None = None, record_next: int = 3,
-                 seed: int = 0) -> None:
+                 seed: int = 0, distributed: bool | str = "auto",
+                 distributed_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         check_run_name(run)
         if overwrite and resume:
             raise ValueError("pass either overwrite=True or resume=True, not both")
@@ -99,6 +115,13 @@ class Scope:
                                  or rank < 0):
             raise ValueError(f"rank must be an integer >= 0 (or None: the torch.distributed "
                              f"rank), got {rank!r}")
+        if distributed not in ("auto", True, False):
+            raise ValueError(f"distributed must be 'auto', True or False, got {distributed!r}")
+        if (isinstance(distributed_timeout_s, bool)
+                or not isinstance(distributed_timeout_s, (int, float))
+                or not 0 < distributed_timeout_s < float("inf")):
+            raise ValueError(f"distributed_timeout_s must be a number of seconds > 0, got "
+                             f"{distributed_timeout_s!r}")
         self.schedule = every(10) if schedule is None else as_schedule(schedule)
         self.dynamic = as_schedule(dynamic, "dynamic") if dynamic is not None else None
         self.keep_if = keep_if
@@ -106,7 +129,6 @@ class Scope:
         self.max_neurons = max_neurons
         self.singular_values = singular_values
         self.exact_views = exact_views
-        self.rank = _default_rank() if rank is None else rank
         self.run_dir = Path(path) / run
         if instruments is not None:  # a typo fails here, not at watch()
             from ..catalogue import resolve_quantities
@@ -138,6 +160,22 @@ class Scope:
         self._current: StepRecorder | None = None
         self._last_step: int | None = None
         self._reported: set[str] = set()
+        self._agree_keep = False  # this step's dynamic decision is agreed across ranks
+        self._world = world_size()
+        # Collective (a process group of deepscope's own): after every check above, which
+        # fails alike on every rank, so that no rank waits for one that raised.
+        try:
+            self.reducer = Reducer.create(distributed, distributed_timeout_s)
+        except RuntimeError as exc:  # torch's DistStoreError: the other ranks never came
+            raise ValueError(
+                f"the other ranks did not create their Scope within distributed_timeout_s="
+                f"{distributed_timeout_s:g} s ({type(exc).__name__}); create a Scope on every "
+                "rank at the same point, or pass distributed=False to record on some ranks "
+                "only") from None
+        if self.reducer is not None and rank is not None and rank != self.reducer.rank:
+            raise ValueError(f"rank={rank} differs from this process's torch.distributed rank "
+                             f"{self.reducer.rank}; leave rank unset in a distributed run")
+        self.rank = _default_rank() if rank is None else rank
         self.closed = False
         self.writer = self._open_writer(run, overwrite, resume, queue_size, on_full)
         if resume:
@@ -146,10 +184,52 @@ class Scope:
 
     def _open_writer(self, run: str, overwrite: bool, resume: bool, queue_size: int,
                      on_full: str) -> StoreWriter:
-        target = rank_file(self.run_dir, self.rank)
+        """This rank's writer; in a distributed run every rank checks the run folder before
+        any rank writes in it, and they agree on the outcome and on rank 0's run id."""
+        reducer = self.reducer
+        if reducer is None:
+            return self._create_writer(run, overwrite, resume, queue_size, on_full)
         existing = rank_files(self.run_dir)
+        try:
+            self._check_existing(run, existing, overwrite, resume)
+            error = None
+        except ValueError as exc:
+            error = exc
+        self._raise_if_any_failed(error, "refused the run folder")
+        if overwrite and existing:
+            if self.rank == 0:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            reducer.agree(True)  # the folder is gone before any rank creates its file
+            if self.rank != 0 and rank_file(self.run_dir, self.rank).exists():
+                shutil.rmtree(self.run_dir)  # not a shared folder: this rank's own copy
+        writer, error = None, None
+        try:
+            writer = self._create_writer(run, overwrite, resume, queue_size, on_full)
+        except ValueError as exc:
+            error = exc
+        try:
+            self._raise_if_any_failed(error, "could not open its rank file")
+            run_id = agree_run_id(reducer, writer.run_id)
+        except BaseException:
+            if writer is not None:
+                writer.close(INTERRUPTED)
+            raise
+        writer.submit_meta({"distributed": run_meta(reducer, run_id)})
+        return writer
+
+    def _raise_if_any_failed(self, error: ValueError | None, what: str) -> None:
+        """Raise `error` here, or a one-line error if another rank failed (collective)."""
+        failed = first_failure(self.reducer, error)
+        if error is not None:
+            raise error
+        if failed is not None:
+            raise ValueError(f"rank {failed} {what} (its error says why); every rank stops "
+                             "creating this Scope")
+
+    def _check_existing(self, run: str, existing: dict, overwrite: bool,
+                        resume: bool) -> None:
         # another rank's file is the same run, written by that rank: only this rank's refuses
-        if target in existing.values() and not (overwrite or resume):
+        if self.rank in existing and not (overwrite or resume):
             raise ValueError(f"run {run!r} already exists in {self.run_dir.parent}; pass "
                              "overwrite=True to replace it, resume=True to continue it, or "
                              "choose another run name")
@@ -159,7 +239,20 @@ class Scope:
                 raise ValueError(f"run {run!r} is being written by another process ({busy[0]}); "
                                  "wait for it to finish before overwrite=True, or choose "
                                  "another run name")
-            shutil.rmtree(self.run_dir)
+
+    def _create_writer(self, run: str, overwrite: bool, resume: bool, queue_size: int,
+                       on_full: str) -> StoreWriter:
+        target = rank_file(self.run_dir, self.rank)
+        if self.reducer is None:  # (distributed: _open_writer did this for all ranks)
+            existing = rank_files(self.run_dir)
+            self._check_existing(run, existing, overwrite, resume)
+            if overwrite and set(existing) - {self.rank}:
+                # other ranks' files (another Scope of this run): replace this rank's only
+                for path in (target, *target.parent.glob(target.name + "-*"),
+                             target.with_name(target.name + ".lock")):
+                    path.unlink(missing_ok=True)
+            elif overwrite and existing:
+                shutil.rmtree(self.run_dir)
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -198,7 +291,9 @@ class Scope:
         path (default: the full module path). Returns the model unchanged.
 
         A `torch.compile`d model is watched through its original module (`_orig_mod`), so
-        names are those of the eager model. Hooks do not fire inside compiled code, so every
+        names are those of the eager model; a DistributedDataParallel model through its
+        `.module` (the DDP wrapper, its buckets, `no_sync` and communication hooks are left
+        as they are). Hooks do not fire inside compiled code, so every
         step that records, computes instruments or checks module outputs runs eagerly
         (`torch.compiler.set_stance("force_eager")`): its values are the eager model's; the
         other steps run compiled.
@@ -206,8 +301,7 @@ class Scope:
         if not isinstance(model, nn.Module):
             raise TypeError(f"scope.watch(...) needs a torch.nn.Module, got {type(model).__name__}")
         compiled = model
-        if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
-            model = model._orig_mod
+        model = unwrap(model)  # torch.compile's and DDP's wrappers
         names = ModelNames.of(model, name)  # the one source of names for everything below
         for pname, p in model.named_parameters():
             full = names.param(pname)
@@ -228,10 +322,12 @@ class Scope:
             self._optimizer = optimizer
         if self._instrument_spec is not None and self.instruments is None:
             from ..instruments.suite import Instruments  # loads only for a Scope with instruments
+            # reducer: the global batch's values (rank-identical schedule, see step())
+            across = {} if self.reducer is None else {"reducer": self.reducer}
             self.instruments = Instruments(
                 model, self._instrument_spec, schedule=self._instrument_schedule,
                 optimizer=optimizer, schedules=self._quantity_schedules, seed=self._seed,
-                names=names, **self._instrument_options)
+                names=names, **across, **self._instrument_options)
         return compiled
 
     def note(self, text: str) -> None:
@@ -266,9 +362,13 @@ class Scope:
         live = self.writer.live()
         record = live and (bool(self.schedule(step, kind)) or self._force_record > 0)
         self._force_record = max(self._force_record - 1, 0)
-        tentative = (live and not record and self.dynamic is not None
-                     and bool(self.dynamic(step, kind)))
-        instrumented = (live and self.instruments is not None
+        dynamic = self.dynamic is not None and bool(self.dynamic(step, kind))
+        tentative = live and not record and dynamic
+        # Distributed: whether to run the instruments (collectives) depends only on what is
+        # the same on every rank (their schedules and state), never on this rank's writer or
+        # findings; a dynamic step's keep is agreed at its end (see _keep).
+        self._agree_keep = self.reducer is not None and dynamic
+        instrumented = ((live or self.reducer is not None) and self.instruments is not None
                         and bool(self._guard(self.instruments.wants, step, kind)))
         return StepRecorder(self._step_context(), step, kind, record, tentative, instrumented)
 
@@ -354,8 +454,15 @@ class Scope:
             if quantities is _FAILED:
                 quantities = []
             self._guard(self._send_warnings, outcome.step)
+        keep = self._keep(outcome)
+        if self.reducer is not None:
+            self._collectives_off(outcome.step)
+            # the global batch's values go into rank 0's file; every rank keeps its own
+            quantities = [q for q in quantities if q.local or self.rank == 0]
+            if keep and not outcome.instrumented:
+                quantities += self._guard(outcome.local) or []
         submitted = False
-        if outcome.recorded and outcome.keep():
+        if keep:
             payload = self._guard(outcome.payload)
             if payload is not _FAILED:
                 payload.quantities = quantities
@@ -365,6 +472,29 @@ class Scope:
             self.writer.submit_quantities(quantities)
         # Last: the step is queued before the user's callback may stop training.
         self._call_on_anomaly(findings)
+
+    def _keep(self, outcome: StepOutcome) -> bool:
+        """Whether to store the step's recorded data. A dynamic step (every rank opens it
+        alike) is kept on every rank if some rank keeps it: one MAX of a flag."""
+        keep = outcome.recorded and outcome.keep()
+        if not self._agree_keep or self.reducer.disabled is not None:
+            return keep
+        try:
+            agreed = any_rank(self.reducer, keep)
+        except CollectiveError:
+            return keep  # reported once by _collectives_off
+        return outcome.recorded and agreed if outcome.tentative else keep
+
+    def _collectives_off(self, step: int) -> None:
+        """Say once, in one line (a warning, and stored in the run), that deepscope's
+        collectives failed and distributed instruments are off for the rest of the run."""
+        reason = self.reducer.disabled
+        if reason is None or "collectives off" in self._reported:
+            return
+        self._reported.add("collectives off")
+        quantities = tuple(self.instruments.quantities) if self.instruments is not None else ()
+        self.writer.submit_warnings([InstrumentWarning(step, "", quantities, reason)])
+        log.warning("deepscope: rank %d: %s", self.rank, reason)
 
     def _check_health(self, step: int | None) -> list[Any]:
         """Store the monitor's findings (step None: what is still held, at close) and return
@@ -377,6 +507,8 @@ class Scope:
             return []
         findings, record_next = result
         self._force_record = max(self._force_record, record_next)
+        if self._world > 1:  # each rank's file: the message says which rank found it
+            findings = [replace(f, message=f"rank {self.rank}: {f.message}") for f in findings]
         self.writer.submit_anomalies([(f.step, f.tensor, f.detector, f.value, f.threshold,
                                        f.message) for f in findings])
         return findings

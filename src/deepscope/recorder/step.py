@@ -13,7 +13,7 @@ import torch
 
 from ..hookstate import hooks_paused
 from ..naming import named_leaves
-from ..records import StepPayload, TensorInfo
+from ..records import QuantityValue, StepPayload, TensorInfo
 from ..store import limits
 from .context import StepOutcome
 from .graph import (
@@ -24,6 +24,7 @@ from .graph import (
     memory_region,
     saved_attachments,
 )
+from .ranks import local_values
 from .summary import Capture, summarise_captures
 
 if TYPE_CHECKING:
@@ -134,6 +135,7 @@ class StepRecorder:
         # what module hooks saw of frozen modules: autograd has no edges from it
         self._module_calls: dict[tuple[str, int], ModuleCall] = {}
         self._attachments: dict | None = None
+        self._losses: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # of rec.loss calls
         self._started = time.time()
 
     def __enter__(self) -> StepRecorder:
@@ -149,7 +151,8 @@ class StepRecorder:
         self._open = False
         self._remove_hooks()
         return StepOutcome(self.step, self.kind, failed, self._instrumented, self._kpis,
-                           self.recording, self._keep, self._payload)
+                           self.recording, self._keep, self._payload, self._tentative,
+                           self._local_values)
 
     def _check_open(self, call: str) -> None:
         if not self._open:
@@ -243,6 +246,8 @@ class StepRecorder:
         self.loss_value = value
         self._kpis.append((name, value))
         if self.recording:
+            self._losses.append((loss.detach(),
+                                 None if per_sample is None else per_sample.detach()))
             self.tensor(name, loss.reshape(()) if loss.dim() else loss, role="loss")
             if per_sample is not None:
                 self.tensor(f"{name}_per_sample", per_sample, role="loss", node=name,
@@ -438,6 +443,11 @@ class StepRecorder:
             keep_if = self._ctx.keep_if
             return bool(keep_if(self)) if keep_if is not None else False
         return True
+
+    def _local_values(self) -> list[QuantityValue]:
+        """This rank's BatchSize and Loss of the recorded step (see `ranks.local_values`)."""
+        return local_values(self.step, self._losses, list(self._infos.values()),
+                            self._iteration + 1)
 
     def _payload(self) -> StepPayload:
         self._snapshot_grads("grad")

@@ -87,6 +87,11 @@ class _Status:
     status: str
 
 
+@dataclass
+class _Meta:
+    values: dict[str, Any]
+
+
 _STOP = object()
 # meta "status": how a run ended. A run still "recording" whose lock no writer holds crashed.
 RECORDING, FINISHED, INTERRUPTED = "recording", "finished", "interrupted"
@@ -320,6 +325,12 @@ class StoreWriter:
         if not self.failed and warnings:
             self._queue.put(_Warnings(warnings))
 
+    def submit_meta(self, values: dict[str, Any]) -> None:
+        """Add or replace `meta` keys (each value stored as JSON) after the writer opened,
+        e.g. what the ranks of a distributed run agreed on."""
+        if not self.failed and values:
+            self._queue.put(_Meta(dict(values)))
+
     def flush(self) -> None:
         """Block until everything queued so far is committed.
 
@@ -470,6 +481,9 @@ class StoreWriter:
             elif isinstance(item, _Status):
                 con.execute("INSERT OR REPLACE INTO meta VALUES ('status', ?)",
                             (json.dumps(item.status),))
+            elif isinstance(item, _Meta):
+                con.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                                [(k, json.dumps(v)) for k, v in item.values.items()])
             # Every transaction repeats the run id: the last commit in a -wal file then says
             # which database the file belongs to (checked against the lock file on open).
             con.execute("INSERT OR REPLACE INTO meta VALUES ('run_id', ?)",
