@@ -116,23 +116,29 @@ def _summarise_unique(captures: list[Capture], max_samples: int, max_neurons: in
     # values of mostly-zero tensors (float32; compressed: ReLU outputs halve) and of the
     # others (float32; stored raw: zlib gains little on dense floats at a high price). A
     # fourth, float64 and compressed, for the views and samples of tensors beyond float32.
-    pending = [(c.name, c.direction, view, c.iteration, arr,
-                "wide" if arr.dtype in _WIDE else "views" if view != "samples" else
+    views = [(i, view, arr) for i, (_, vs) in enumerate(done)  # type: ignore[misc]
+             for view, arr in vs.items()]
+    kinds: dict[str, list[tuple]] = {"sparse": [], "dense": [], "views": [], "wide": []}
+    for (i, view, _), arr in zip(views, _to_host([arr for _, _, arr in views])):
+        c = captures[i]
+        kind = ("wide" if arr.dtype == np.float64 else "views" if view != "samples" else
                 "sparse" if zero_frac[i] >= SPARSE else "dense")
-               for i, (c, (_, vs)) in enumerate(zip(captures, done)) for view, arr in vs.items()]  # type: ignore[misc]
+        kinds[kind].append((c.name, c.direction, view, c.iteration, arr))
     entries, parts, compress = [], [], []
-    for kind in ("sparse", "dense", "views", "wide"):
-        part = [p for p in pending if p[5] == kind]
+    for kind, part in kinds.items():
         if not part:
             continue
-        flat = _host_flat([p[4] for p in part])  # one transfer per device
+        flat = np.concatenate([p[4] for p in part], axis=None)
         if kind == "views" and not exact_views:
-            flat = flat.to(torch.bfloat16)
-        dtype, _, data = arrays.encode(flat)
-        itemsize, offset = flat.element_size(), 0
-        for name, direction, view, it, arr, _ in part:
-            nbytes = _numel(arr) * itemsize
-            entries.append((name, direction, view, it, dtype, _shape_text(tuple(arr.shape)),
+            dtype, _, data = arrays.encode(torch.from_numpy(flat).to(torch.bfloat16))
+            itemsize = 2
+        else:
+            dtype, _, data = arrays.encode(flat)
+            itemsize = flat.itemsize
+        offset = 0
+        for name, direction, view, it, arr in part:
+            nbytes = arr.size * itemsize
+            entries.append((name, direction, view, it, dtype, _shape_text(arr.shape),
                             len(parts), offset, nbytes))
             offset += nbytes
         parts.append(data)
@@ -140,27 +146,22 @@ def _summarise_unique(captures: list[Capture], max_samples: int, max_neurons: in
     return StepSummary(keys, host_stats, entries, parts, compress)
 
 
-_WIDE = (torch.float64, np.dtype(np.float64))
-
-
-def _numel(arr: torch.Tensor | np.ndarray) -> int:
-    return arr.numel() if isinstance(arr, torch.Tensor) else arr.size
-
-
-def _host_flat(arrs: list[torch.Tensor | np.ndarray]) -> torch.Tensor:
-    """The arrays (host NumPy or device tensors of one dtype) flattened and joined in order,
-    as one host tensor: one transfer per device."""
-    host: dict[int, np.ndarray] = {}
-    tensors = [i for i, a in enumerate(arrs) if isinstance(a, torch.Tensor)]
-    for idx in _by_device([arrs[i] for i in tensors]):  # type: ignore[misc]
-        joined = torch.cat([arrs[tensors[j]].reshape(-1) for j in idx]).cpu().numpy()  # type: ignore[union-attr]
+def _to_host(arrs: list[torch.Tensor | np.ndarray]) -> list[np.ndarray]:
+    """The arrays as host NumPy arrays, in order: device tensors in one transfer per device
+    and dtype."""
+    out: list = list(arrs)
+    groups: dict[tuple, list[int]] = {}
+    for i, a in enumerate(arrs):
+        if isinstance(a, torch.Tensor):
+            groups.setdefault((a.device, a.dtype), []).append(i)
+    for idx in groups.values():
+        joined = torch.cat([arrs[i].reshape(-1) for i in idx]).cpu().numpy()  # type: ignore[union-attr]
         at = 0
-        for j in idx:
-            size = arrs[tensors[j]].numel()  # type: ignore[union-attr]
-            host[tensors[j]] = joined[at:at + size]
+        for i in idx:
+            size = arrs[i].numel()  # type: ignore[union-attr]
+            out[i] = joined[at:at + size].reshape(tuple(arrs[i].shape))
             at += size
-    return torch.from_numpy(np.concatenate([host[i] if i in host else arrs[i].reshape(-1)  # type: ignore[union-attr]
-                                            for i in range(len(arrs))]))
+    return out
 
 
 @functools.lru_cache(maxsize=1024)
