@@ -1,14 +1,15 @@
-"""Fused summaries on the CPU: every finite float tensor of a step in one pass of a few ops.
+"""Fused summaries: every finite float32/64 tensor of a step on one device in a few ops.
 
 The general path (`stats.tensor_stats` + `stats.array_views`) costs ~30 ops per tensor; at
 every-step recording rates the fixed cost per op dominates (a step of the MLP benchmark has 24
-tensors: ~2 ms of op overhead against ~0.3 ms of arithmetic). Here a step's tensors of one
-dtype are laid side by side in one flat buffer of rows — a parameter's rows are its neurons
-(index along dim 0), a batched tensor's rows are its batch items, with all batched tensors of
-one batch size interleaved as the columns of one (B, neurons) matrix — and every statistic is
-a segmented reduction over all rows at once (NumPy's reduceat), combined per tensor on the host
-in float64. The per-neuron views of batched tensors are column reductions of those matrices.
-Same definitions as the general path; tests compare the two.
+tensors: ~2 ms of op overhead against well under 1 ms of arithmetic). Here each tensor is a
+2-D matrix of rows — a batched tensor's rows are its batch items, another tensor's its neurons
+(index along dim 0) — and the rows of all tensors of one width are stacked into one matrix:
+per width, a dozen row reductions on the tensors' own device (sum, centred sum of squares,
+sum of |x|, nonzero count, min, max) and, for the batched tensors of one batch size, their
+per-neuron views as column reductions. The per-row results come to the host in one transfer,
+where NumPy combines them per tensor in float64 (law of total variance: no E[x²] − E[x]²
+cancellation). Same definitions as the general path; tests compare the two.
 """
 
 from __future__ import annotations
@@ -21,15 +22,15 @@ from ..store.schema import STAT_COLUMNS
 from .stats import DEFAULT_MAX_ITEMS, DEFAULT_MAX_NEURONS, DEFAULT_MAX_VALUES
 
 FUSED_DTYPES = (torch.float32, torch.float64)
-# Row counts (nonzero elements) are summed in the data's dtype when exact there.
-_EXACT_COUNT = {torch.float32: 2 ** 24, torch.float64: 2 ** 53}
+# Rows at least this long count their nonzero elements in float64 (exact beyond float32's 2^24).
+_LONG_ROW = 2 ** 24
 
 Summary = tuple[np.ndarray, dict[str, np.ndarray]]
 
 
 def fused_eligible(x: torch.Tensor) -> bool:
-    """Whether `fused_summaries` takes `x`: a non-empty float32/64 CPU tensor."""
-    return x.device.type == "cpu" and x.dtype in FUSED_DTYPES and x.numel() > 0
+    """Whether `fused_summaries` takes `x`: a non-empty float32/64 tensor (any device)."""
+    return x.dtype in FUSED_DTYPES and x.numel() > 0
 
 
 @np.errstate(all="ignore")  # non-finite tensors are found and left to the general path
@@ -37,14 +38,16 @@ def fused_summaries(tensors: list[tuple[torch.Tensor, int | None]], max_samples:
                     max_neurons: int = DEFAULT_MAX_NEURONS, max_items: int = DEFAULT_MAX_ITEMS,
                     max_values: int = DEFAULT_MAX_VALUES) -> list[Summary | None]:
     """`tensor_stats` and `array_views` of `fused_eligible` (tensor, batch_dim) pairs of one
-    dtype, in a number of ops that grows with their distinct row widths, not their number.
+    dtype and device, in a number of ops that grows with their distinct row widths, not
+    their number, and one device-to-host transfer.
 
     Returns, in order, (float64 stats row of `STAT_COLUMNS`, views as float32 NumPy arrays),
     or None for a tensor this path cannot summarise exactly (a non-finite value, or sums that
     overflow its dtype): the general path takes those. Nothing returned shares memory with the
     inputs or with a work buffer.
     """
-    dtype = tensors[0][0].dtype
+    x0 = tensors[0][0]
+    dtype, device = x0.dtype, x0.device
     blocks = [_rows_of(x, bd) for x, bd in tensors]
     # one matrix per row width: its non-batched tensors, then its batched ones by batch size
     by_width: dict[int, list[int]] = {}
@@ -52,12 +55,16 @@ def fused_summaries(tensors: list[tuple[torch.Tensor, int | None]], max_samples:
                     key=lambda i: (tensors[i][1] is not None, blocks[i].shape[0])):
         by_width.setdefault(blocks[i].shape[1], []).append(i)
     total = sum(b.numel() for b in blocks)
-    buf, absd, work = (scratch((total,), dtype, slot)
+    buf, absd, work = (scratch((total,), dtype, slot, device)
                        for slot in ("fused", "fused_abs", "fused_work"))
-    row0 = [0] * len(tensors)           # first row of each tensor in the stacked row results
-    per_row: list[torch.Tensor] = []    # per width (6, rows): sum, sq, abs, nonzero, min, max
+    row0 = [0] * len(tensors)        # first row of each tensor in the stacked row results
     lengths: list[np.ndarray] = []
-    col_views: dict[int, np.ndarray] = {}  # batched tensor -> (3, width) neuron views
+    # what goes to the host: per width (6, rows): sum, sq, abs, nonzero, min, max of each
+    # row; then per batch-size run (3, tensors, width) neuron mean, std, abs max; then samples
+    per_row: list[torch.Tensor] = []
+    columns: list[torch.Tensor] = []
+    samples: list[torch.Tensor] = []
+    col_of: dict[int, tuple[int, int, int]] = {}  # batched tensor -> (run, index, width)
     at = done = 0
     for width, idx in by_width.items():
         local = np.cumsum([0] + [blocks[i].shape[0] for i in idx])
@@ -67,33 +74,39 @@ def fused_summaries(tensors: list[tuple[torch.Tensor, int | None]], max_samples:
         a = torch.abs(m, out=absd[span].view(rows, width))
         w = work[span].view(rows, width)
         r_sum = m.sum(1)
-        stack = [r_sum, torch.sub(m, (r_sum / width).unsqueeze(1), out=w).square_().sum(1),
+        stats = [r_sum, torch.sub(m, (r_sum / width).unsqueeze(1), out=w).square_().sum(1),
                  a.sum(1)]
         # neuron views of batched tensors, over the batch: all of one batch size at once
         for batch, group in _runs([(j, blocks[i].shape[0]) for j, i in enumerate(idx)
                                    if tensors[i][1] is not None]):
             rs = slice(int(local[group[0]]), int(local[group[-1] + 1]))
             v = m[rs].view(len(group), batch, width)
-            c_sum = v.sum(1)
-            centred = torch.sub(v, (c_sum / batch).unsqueeze(1),
-                                out=w[rs].view(len(group), batch, width))
+            c_mean = v.sum(1).div_(batch)
+            centred = torch.sub(v, c_mean.unsqueeze(1), out=w[rs].view(len(group), batch, width))
             c_std = centred.square_().sum(1).div_(batch).sqrt_()
             c_abs = a[rs].view(len(group), batch, width).amax(1)
-            views = torch.stack([c_sum.div_(batch), c_std, c_abs], 1).to(torch.float32)
-            for j, view in zip(group, views.numpy()):
-                col_views[idx[j]] = view
-        stack += [a.sign_().sum(1), m.amin(1), m.amax(1)]
-        per_row.append(torch.stack(stack).to(torch.float64))
+            for j, i in enumerate(idx[k] for k in group):
+                col_of[i] = (len(columns), j, width)
+            columns.append(torch.stack([c_mean, c_std, c_abs]))
+        long_rows = torch.float64 if width >= _LONG_ROW else None
+        stats += [a.sign_().sum(1, dtype=long_rows), m.amin(1), m.amax(1)]
+        per_row.append(torch.stack([s.to(torch.float64) for s in stats]))
         lengths.append(np.full(rows, float(width)))
         for j, i in enumerate(idx):
             row0[i] = done + int(local[j])
         done += rows
         at += rows * width
-    r_sum, r_sq, r_abs, r_nz, r_mn, r_mx = torch.cat(per_row, 1).numpy()
+    if max_samples > 0:
+        samples = [blocks[i][:max_samples, :max_values] for i, (_, bd) in enumerate(tensors)
+                   if bd is not None]
+    host = _to_host(per_row + columns + samples)
+    r_sum, r_sq, r_abs, r_nz, r_mn, r_mx = np.concatenate(host[:len(per_row)], axis=1)
+    col_host = host[len(per_row):len(per_row) + len(columns)]
+    sample_host = iter(host[len(per_row) + len(columns):])
     r_len = np.concatenate(lengths)
     r_mean = r_sum / r_len
 
-    # per tensor, its rows combined (law of total variance: no E[x²] − E[x]² cancellation)
+    # per tensor, its rows combined
     order = sorted(range(len(tensors)), key=row0.__getitem__)
     starts = np.array([row0[i] for i in order])
     count = np.diff(np.append(starts, done))
@@ -129,17 +142,17 @@ def fused_summaries(tensors: list[tuple[torch.Tensor, int | None]], max_samples:
             for stat, v in row_views.items():
                 views[f"neuron_{stat}"] = v[r0:r0 + k]
         elif x.dim():
-            c = col_views[i][:, :max_neurons]
+            run, j, width = col_of[i]
+            c = col_host[run][:, j, :min(width, max_neurons)].astype(np.float32)
             finite[i] &= bool(np.isfinite(c).all())  # a column's squares can overflow alone
             views.update(neuron_mean=c[0], neuron_std=c[1], neuron_abs_max=c[2])
             k = min(rows, max_items)
             for stat, v in row_views.items():
                 views[f"sample_{stat}"] = v[r0:r0 + k]
             if max_samples > 0:
-                values = blocks[i].numpy()[:max_samples, :max_values]
-                if blocks[i].shape[1] <= max_values:
-                    values = values.reshape(-1, *_item_shape(x, bd))
-                views["samples"] = values.astype(np.float32)  # a copy
+                values = next(sample_host).astype(np.float32)  # its own copy
+                views["samples"] = (values if width > max_values else
+                                    values.reshape(-1, *_item_shape(x, bd)))
         out.append((table[i], views) if finite[i] else None)
     return out
 
@@ -166,4 +179,15 @@ def _runs(items: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
             out[-1][1].append(j)
         else:
             out.append((key, [j]))
+    return out
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """The tensors as host NumPy arrays, in one transfer (through float64: exact for float32
+    and float64 values)."""
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu().numpy()
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at:at + t.numel()].reshape(tuple(t.shape)))
+        at += t.numel()
     return out

@@ -17,9 +17,9 @@ from ..store.schema import STAT_COLUMNS
 from .fast import fused_eligible, fused_summaries
 from .stats import array_views, is_wide, small_summaries, tensor_stats, wide_summary
 
-# Tensors the fused path does not take (another device or dtype) up to this many elements are
-# summarised together in one batch of segmented reductions: for them the fixed cost of ~20
-# separate small ops dominates.
+# Tensors the fused path does not take (float16, bfloat16, integers, bools) up to this many
+# elements are summarised together in one batch of segmented reductions: for them the fixed
+# cost of ~20 separate small ops dominates.
 BATCHED_NUMEL = 4096
 # Samples of tensors with at least this fraction of exact zeros are compressed.
 SPARSE = 0.3
@@ -80,7 +80,7 @@ def _summarise_unique(captures: list[Capture], max_samples: int, max_neurons: in
     done: list[tuple[torch.Tensor | np.ndarray, dict[str, torch.Tensor | np.ndarray]] | None]
     done = [None] * len(captures)
     small: dict[torch.device, list[int]] = {}
-    fused: dict[torch.dtype, list[int]] = {}
+    fused: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, c in enumerate(captures):
         x = c.tensor
         if x.dtype == torch.float64 and is_wide(x):  # beyond float32: its own exact path
@@ -88,7 +88,7 @@ def _summarise_unique(captures: list[Capture], max_samples: int, max_neurons: in
         elif singular_values and c.is_parameter and x.dim() == 2:
             done[i] = (tensor_stats(x, True), array_views(x, None, max_samples, max_neurons))
         elif fused_eligible(x):
-            fused.setdefault(x.dtype, []).append(i)
+            fused.setdefault((x.device, x.dtype), []).append(i)
         elif x.numel() <= BATCHED_NUMEL:
             small.setdefault(x.device, []).append(i)
     for idx in fused.values():
@@ -100,7 +100,7 @@ def _summarise_unique(captures: list[Capture], max_samples: int, max_neurons: in
         for i, result in zip(idx, small_summaries(pairs, max_samples, max_neurons)):
             done[i] = result
     for i, c in enumerate(captures):
-        if done[i] is None:  # the general path: another device or dtype, non-finite values
+        if done[i] is None:  # the general path: larger tensors of other dtypes, non-finite
             done[i] = (tensor_stats(c.tensor),
                        array_views(c.tensor, c.batch_dim, max_samples, max_neurons))
     host_stats = np.empty((len(captures), len(STAT_COLUMNS)), dtype=np.float64)
