@@ -54,8 +54,9 @@ def fused_summaries(tensors: list[tuple[torch.Tensor, int | None]], max_samples:
     for i in sorted(range(len(tensors)),
                     key=lambda i: (tensors[i][1] is not None, blocks[i].shape[0])):
         by_width.setdefault(blocks[i].shape[1], []).append(i)
-    total = sum(b.numel() for b in blocks)
-    buf, absd, work = (scratch((total,), dtype, slot, device)
+    # work buffers for one width at a time: reused, so they stay in cache
+    largest = max(sum(blocks[i].numel() for i in idx) for idx in by_width.values())
+    buf, absd, work = (scratch((largest,), dtype, slot, device)
                        for slot in ("fused", "fused_abs", "fused_work"))
     row0 = [0] * len(tensors)        # first row of each tensor in the stacked row results
     lengths: list[np.ndarray] = []
@@ -65,11 +66,11 @@ def fused_summaries(tensors: list[tuple[torch.Tensor, int | None]], max_samples:
     columns: list[torch.Tensor] = []
     samples: list[torch.Tensor] = []
     col_of: dict[int, tuple[int, int, int]] = {}  # batched tensor -> (run, index, width)
-    at = done = 0
+    done = 0
     for width, idx in by_width.items():
         local = np.cumsum([0] + [blocks[i].shape[0] for i in idx])
         rows = int(local[-1])
-        span = slice(at, at + rows * width)
+        span = slice(0, rows * width)
         m = torch.cat([blocks[i] for i in idx], out=buf[span].view(rows, width))
         a = torch.abs(m, out=absd[span].view(rows, width))
         w = work[span].view(rows, width)
@@ -95,7 +96,6 @@ def fused_summaries(tensors: list[tuple[torch.Tensor, int | None]], max_samples:
         for j, i in enumerate(idx):
             row0[i] = done + int(local[j])
         done += rows
-        at += rows * width
     if max_samples > 0:
         samples = [blocks[i][:max_samples, :max_values] for i, (_, bd) in enumerate(tensors)
                    if bd is not None]
