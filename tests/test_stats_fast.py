@@ -184,3 +184,15 @@ def test_summarise_equals_reference_on_random_mixes(seed):
         got_views = {v: torch.from_numpy(np.asarray(a, dtype=np.float32))
                      for (n, v), a in views.items() if n == f"t{k}"}
         assert_same((row, got_views), (want_row, want_views))
+
+
+def test_fused_counts_nonzero_exactly_in_long_rows(monkeypatch):
+    """Rows of 2^24 elements or more count their nonzeros in float64 (float32 stops counting
+    at 2^24); the threshold is lowered here so that the test stays small."""
+    import deepscope.recorder.fast as fast
+    monkeypatch.setattr(fast, "_LONG_ROW", 8)
+    x = torch.randn(3, 40)
+    x[:, ::3] = 0
+    pairs = [(x, 0), (x.clone(), None), (torch.randn(5, 4), 0)]
+    for (x_, bd), got in zip(pairs, fused_summaries(pairs, 2, max_neurons=7)):
+        assert_same(as_torch(got), general(x_, bd, max_samples=2, max_neurons=7))

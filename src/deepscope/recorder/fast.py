@@ -89,9 +89,10 @@ def fused_summaries(tensors: list[tuple[torch.Tensor, int | None]], max_samples:
             for j, i in enumerate(idx[k] for k in group):
                 col_of[i] = (len(columns), j, width)
             columns.append(torch.stack([c_mean, c_std, c_abs]))
-        long_rows = torch.float64 if width >= _LONG_ROW else None
-        stats += [a.sign_().sum(1, dtype=long_rows), m.amin(1), m.amax(1)]
-        per_row.append(torch.stack([s.to(torch.float64) for s in stats]))
+        long = width >= _LONG_ROW  # counts exact beyond float32's 2^24 too
+        stats += [a.sign_().sum(1, dtype=torch.float64 if long else None), m.amin(1),
+                  m.amax(1)]
+        per_row.append(torch.stack([s.double() for s in stats] if long else stats))
         lengths.append(np.full(rows, float(width)))
         for j, i in enumerate(idx):
             row0[i] = done + int(local[j])
@@ -185,7 +186,7 @@ def _runs(items: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
 def _to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
     """The tensors as host NumPy arrays, in one transfer (through float64: exact for float32
     and float64 values)."""
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu().numpy()
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(torch.float64).cpu().numpy()
     out, at = [], 0
     for t in tensors:
         out.append(flat[at:at + t.numel()].reshape(tuple(t.shape)))
