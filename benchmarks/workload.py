@@ -54,11 +54,13 @@ StepFn = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 @dataclass
 class Setup:
-    """What a tool needs to train: the step function, and a finisher that closes the tool's
-    store and returns (bytes on disk, steps that stored something)."""
+    """What a tool needs to train: the step function, a finisher that closes the tool's
+    store and returns (bytes on disk, steps that stored something), and `drain`, which
+    blocks until what the tool recorded so far is written (deepscope: `scope.flush`)."""
 
     step: StepFn
     finish: Callable[[int], tuple[int, int]]
+    drain: Callable[[], None] = lambda: None
 
 
 class TinyTransformer(nn.Module):
@@ -199,7 +201,7 @@ def setup_deepscope(model: nn.Module, mode: str, workdir: Path) -> Setup:
                 stored |= set(run.quantities()["step"].tolist())
             return run.size_bytes(), len(stored)
 
-    return Setup(step, finish)
+    return Setup(step, finish, scope.flush)
 
 
 def setup_comgra(model: nn.Module, mode: str, workdir: Path) -> Setup:

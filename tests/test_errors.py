@@ -102,7 +102,7 @@ def test_internal_failure_logged_once_training_continues(tmp_path, monkeypatch, 
 
     def broken(*a, **k):
         raise RuntimeError("boom in stats")
-    monkeypatch.setattr(summary_mod, "small_summaries", broken)
+    monkeypatch.setattr(summary_mod, "fused_summaries", broken)
     lin = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)
     before = lin.weight.detach().clone()

@@ -57,6 +57,11 @@ def test_singular_value_of_2d_parameter():
 def test_integer_and_bool_tensors():
     got = dict(zip(STAT_COLUMNS, tensor_stats(torch.tensor([1, 2, 3, 0])).tolist()))
     assert got["mean"] == 1.5 and got["zero_frac"] == 0.25
+    # -min of uint8 wrapped (abs_max 253 for [3, 5]); bool tensors failed outright
+    for x, want in ((torch.tensor([3, 5], dtype=torch.uint8), (3.0, 5.0, 5.0)),
+                    (torch.tensor([True, False, True]), (0.0, 1.0, 1.0))):
+        got = dict(zip(STAT_COLUMNS, tensor_stats(x).tolist()))
+        assert (got["min"], got["max"], got["abs_max"]) == want
 
 
 def test_view_shapes_batched_and_parameter():

@@ -57,7 +57,8 @@ def _finite_stats(flat: torch.Tensor, x64: torch.Tensor,
     n = x64.numel()
     mean = total / n
     sq = torch.dot(x64, x64)
-    mn, mx = torch.aminmax(flat)
+    # integers and bools through float64: -min of an unsigned or bool tensor wraps or fails
+    mn, mx = torch.aminmax(flat if flat.is_floating_point() else x64)
     zero = torch.zeros((), dtype=torch.int64, device=flat.device)
     return {"mean": mean, "std": (sq / n - mean * mean).clamp_min(0.0).sqrt(),
             "abs_mean": x64.abs().sum() / n, "min": mn, "max": mx,

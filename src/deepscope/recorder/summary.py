@@ -8,16 +8,18 @@ import json
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..records import StepSummary
 from ..store import arrays
 from ..store.schema import STAT_COLUMNS
-from .fast import fast_batched, fast_eligible, fast_parameters
+from .fast import fused_eligible, fused_summaries
 from .stats import array_views, is_wide, small_summaries, tensor_stats, wide_summary
 
-# Tensors up to this many elements are summarised together in one batch of segmented
-# reductions: for them the fixed cost of ~20 separate small ops dominates.
+# Tensors the fused path does not take (float16, bfloat16, integers, bools) up to this many
+# elements are summarised together in one batch of segmented reductions: for them the fixed
+# cost of ~20 separate small ops dominates.
 BATCHED_NUMEL = 4096
 # Samples of tensors with at least this fraction of exact zeros are compressed.
 SPARSE = 0.3
@@ -75,68 +77,91 @@ def _summarise_unique(captures: list[Capture], max_samples: int, max_neurons: in
                       singular_values: bool, exact_views: bool) -> StepSummary:
     """`summarise_captures` of captures that share no tensor."""
     keys = [(c.name, c.direction, c.iteration) for c in captures]
-    done: list[tuple[torch.Tensor, dict[str, torch.Tensor]] | None] = [None] * len(captures)
+    done: list[tuple[torch.Tensor | np.ndarray, dict[str, torch.Tensor | np.ndarray]] | None]
+    done = [None] * len(captures)
     small: dict[torch.device, list[int]] = {}
-    params: dict[tuple, list[int]] = {}
-    batched: dict[tuple, list[int]] = {}
+    fused: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, c in enumerate(captures):
         x = c.tensor
         if x.dtype == torch.float64 and is_wide(x):  # beyond float32: its own exact path
             done[i] = wide_summary(x, c.batch_dim, max_samples, max_neurons)
         elif singular_values and c.is_parameter and x.dim() == 2:
             done[i] = (tensor_stats(x, True), array_views(x, None, max_samples, max_neurons))
-        elif fast_eligible(x, c.batch_dim) and c.batch_dim is not None:
-            batched.setdefault((x.shape[c.batch_dim], x.dtype), []).append(i)
+        elif fused_eligible(x):
+            fused.setdefault((x.device, x.dtype), []).append(i)
         elif x.numel() <= BATCHED_NUMEL:
             small.setdefault(x.device, []).append(i)
-        elif fast_eligible(x, c.batch_dim):
-            params.setdefault((tuple(x.shape), x.dtype), []).append(i)
+    for idx in fused.values():
+        pairs = [(captures[i].tensor, captures[i].batch_dim) for i in idx]
+        for i, result in zip(idx, fused_summaries(pairs, max_samples, max_neurons)):
+            done[i] = result  # None (non-finite): the general path below
     for idx in small.values():
         pairs = [(captures[i].tensor, captures[i].batch_dim) for i in idx]
         for i, result in zip(idx, small_summaries(pairs, max_samples, max_neurons)):
             done[i] = result
-    for idx in params.values():
-        for i, result in zip(idx, fast_parameters([captures[i].tensor for i in idx],
-                                                  max_neurons) or []):
-            done[i] = result
-    for idx in batched.values():
-        pairs = [(captures[i].tensor, captures[i].batch_dim) for i in idx]
-        for i, result in zip(idx, fast_batched(pairs, max_samples, max_neurons) or []):  # type: ignore[arg-type]
-            done[i] = result
     for i, c in enumerate(captures):
-        if done[i] is None:  # the general path: another device or dtype, non-finite values
+        if done[i] is None:  # the general path: larger tensors of other dtypes, non-finite
             done[i] = (tensor_stats(c.tensor),
                        array_views(c.tensor, c.batch_dim, max_samples, max_neurons))
-    host_stats = torch.empty(len(captures), len(STAT_COLUMNS), dtype=torch.float64)
-    for idx in _by_device([row for row, _ in done]):  # type: ignore[misc]
-        host_stats[idx] = torch.stack([done[i][0] for i in idx]).cpu()  # type: ignore[index]
+    host_stats = np.empty((len(captures), len(STAT_COLUMNS)), dtype=np.float64)
+    on_device = [i for i, d in enumerate(done) if isinstance(d[0], torch.Tensor)]  # type: ignore[index]
+    for idx in _by_device([done[i][0] for i in on_device]):  # type: ignore[index,misc]
+        rows = [on_device[j] for j in idx]
+        host_stats[rows] = torch.stack([done[i][0] for i in rows]).cpu().numpy()  # type: ignore[index,misc]
+    for i, d in enumerate(done):
+        if not isinstance(d[0], torch.Tensor):  # type: ignore[index]
+            host_stats[i] = d[0]  # type: ignore[index]
     zero_frac = host_stats[:, STAT_COLUMNS.index("zero_frac")].tolist()
     # Three kinds of part: aggregated views (bfloat16 unless exact; compressed), full sample
     # values of mostly-zero tensors (float32; compressed: ReLU outputs halve) and of the
     # others (float32; stored raw: zlib gains little on dense floats at a high price). A
     # fourth, float64 and compressed, for the views and samples of tensors beyond float32.
-    pending = [(c.name, c.direction, view, c.iteration, arr,
-                "wide" if arr.dtype == torch.float64 else "views" if view != "samples" else
+    views = [(i, view, arr) for i, (_, vs) in enumerate(done)  # type: ignore[misc]
+             for view, arr in vs.items()]
+    kinds: dict[str, list[tuple]] = {"sparse": [], "dense": [], "views": [], "wide": []}
+    for (i, view, _), arr in zip(views, _to_host([arr for _, _, arr in views])):
+        c = captures[i]
+        kind = ("wide" if arr.dtype == np.float64 else "views" if view != "samples" else
                 "sparse" if zero_frac[i] >= SPARSE else "dense")
-               for i, (c, (_, vs)) in enumerate(zip(captures, done)) for view, arr in vs.items()]
+        kinds[kind].append((c.name, c.direction, view, c.iteration, arr))
     entries, parts, compress = [], [], []
-    for kind in ("sparse", "dense", "views", "wide"):
-        part = [p for p in pending if p[5] == kind]
-        for idx in _by_device([p[4] for p in part]):  # one transfer per device
-            flat = torch.cat([part[i][4].reshape(-1) for i in idx])
-            if kind == "views" and not exact_views:
-                flat = flat.to(torch.bfloat16)
+    for kind, part in kinds.items():
+        if not part:
+            continue
+        flat = np.concatenate([p[4] for p in part], axis=None)
+        if kind == "views" and not exact_views:
+            dtype, _, data = arrays.encode(torch.from_numpy(flat).to(torch.bfloat16))
+            itemsize = 2
+        else:
             dtype, _, data = arrays.encode(flat)
-            itemsize, offset = flat.element_size(), 0
-            for i in idx:
-                name, direction, view, it, arr, _ = part[i]
-                nbytes = arr.numel() * itemsize
-                entries.append((name, direction, view, it, dtype, _shape_text(arr.shape),
-                                len(parts), offset, nbytes))
-                offset += nbytes
-            parts.append(data)
-            compress.append(kind != "dense")
-    return StepSummary(keys, host_stats.numpy(), entries, parts, compress)
+            itemsize = flat.itemsize
+        offset = 0
+        for name, direction, view, it, arr in part:
+            nbytes = arr.size * itemsize
+            entries.append((name, direction, view, it, dtype, _shape_text(arr.shape),
+                            len(parts), offset, nbytes))
+            offset += nbytes
+        parts.append(data)
+        compress.append(kind != "dense")
+    return StepSummary(keys, host_stats, entries, parts, compress)
+
+
+def _to_host(arrs: list[torch.Tensor | np.ndarray]) -> list[np.ndarray]:
+    """The arrays as host NumPy arrays, in order: device tensors in one transfer per device
+    and dtype."""
+    out: list = list(arrs)
+    groups: dict[tuple, list[int]] = {}
+    for i, a in enumerate(arrs):
+        if isinstance(a, torch.Tensor):
+            groups.setdefault((a.device, a.dtype), []).append(i)
+    for idx in groups.values():
+        joined = torch.cat([arrs[i].reshape(-1) for i in idx]).cpu().numpy()  # type: ignore[union-attr]
+        at = 0
+        for i in idx:
+            size = arrs[i].numel()  # type: ignore[union-attr]
+            out[i] = joined[at:at + size].reshape(tuple(arrs[i].shape))
+            at += size
+    return out
 
 
 @functools.lru_cache(maxsize=1024)

@@ -1,0 +1,31 @@
+"""`benchmarks/recorder_loop.py` runs and returns well-formed figures (no timing is asserted:
+the numbers of so short a run mean nothing)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_recorder_loop_returns_ratios_for_every_clock() -> None:
+    spec = importlib.util.spec_from_file_location("recorder_loop",
+                                                  ROOT / "benchmarks" / "recorder_loop.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        result = module.measure(rounds=2, block=2, warmup_rounds=0)
+    finally:
+        sys.modules.pop(spec.name, None)
+        sys.modules.pop("workload", None)
+    for clock in ("wall", "thread", "process"):
+        s = result[f"ratio_{clock}"]
+        assert s["min"] <= s["q25"] <= s["median"] <= s["q75"] <= s["max"]
+        assert math.isfinite(s["median"]) and s["median"] > 0
+        assert result["plain_ms"][clock] > 0 and result["recorded_ms"][clock] > 0
+    assert "target: 2.0x wall" in module.describe(result)
