@@ -14,6 +14,7 @@ import numpy as np
 from dash import html
 
 from ..store.schema import SAMPLE_MAX_VALUES, STAT_COLUMNS
+from . import ranks
 from .data import ProjectData, RunData
 from .figures import (
     Figure,
@@ -198,19 +199,28 @@ def items_panel(rd: RunData, sel: dict[str, Any]) -> Figure:
 
 
 def history(project: ProjectData, runs: Sequence[str], sel: dict[str, Any],
-            statistic: str, height: int = 260) -> Figure:
+            statistic: str, height: int = 260, rank: str | None = None) -> Figure:
     """`statistic` of the selected tensor record over all recorded steps of the kind, one
-    line per run; one SQL query per run."""
-    traces, absent = [], []
-    for i, name in enumerate(dict.fromkeys(runs)):
-        df = project.run(name).history(sel["tensor"], sel["direction"],
-                                       sel["record_iteration"], sel["kind"])
+    line per run (and per rank where `rank` is "all"); one SQL query per run. rank: the
+    rank selector's value, for distributed runs (default: the global batch)."""
+    traces, absent, which = [], [], set()
+    for name in dict.fromkeys(runs):
+        rd = project.run(name)
+        q = ranks.query_rank(rd, rank)
+        df = rd.history(sel["tensor"], sel["direction"], sel["record_iteration"], sel["kind"],
+                        "merged" if q is None else q)
         if df.empty:
             absent.append(name)
             continue
-        traces.append(line_trace(name, df["step"], df[statistic], i))
+        if q is not None:
+            which.add(q)
+        for suffix, part in ranks.split_ranks(df, q) if q is not None else [("", df)]:
+            traces.append(line_trace(name + suffix, part["step"], part[statistic],
+                                     len(traces)))
     label = "gradient" if sel["direction"] == "grad" else sel["direction"]
     title = f"{statistic} of {sel['tensor']} ({label}) over steps · kind {sel['kind']}"
+    if which:
+        title += " · " + ", ".join(sorted(ranks.rank_label(q) for q in which))
     if not traces:
         return message_figure(f"{sel['tensor']} ({label}) is not recorded in "
                               f"{', '.join(absent)}", title, height=height)

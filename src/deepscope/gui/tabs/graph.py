@@ -17,7 +17,7 @@ import dash_cytoscape as cyto
 from dash import ALL, Input, Output, State, ctx, dcc, html
 
 from ...store.schema import STAT_COLUMNS
-from .. import graph_view, ids, panels
+from .. import graph_view, ids, panels, ranks
 from ..data import LRU, ProjectData, RunData, fingerprint
 from ..guard import contained, describe, error_box, error_figure, guard, report
 from ..selection import Request, nearest_index, resolve
@@ -48,6 +48,7 @@ def layout(_run_options: list[dict[str, str]]) -> html.Div:
             style={"width": "100%", "height": "46vh"}, minZoom=0.1, maxZoom=3,
             autoRefreshLayout=False, autounselectify=True, responsive=True,
             className="graph"),
+        ranks.graph_warning(),
         html.Div(id="legend", className="legend"),
         html.Details([html.Summary("All nodes (keyboard access)"),
                       html.Div(id="node-list", className="node-list")],
@@ -371,19 +372,20 @@ def _register_outputs(app: dash.Dash, project: ProjectData) -> None:
     @app.callback(Output("over-steps", "figure"), Output("over-steps-key", "data"),
                   Input(ids.SEL, "data"), Input(ids.STATISTIC, "value"),
                   Input("overlay", "value"), Input(ids.VERSION, "data"),
-                  State("over-steps-key", "data"))
+                  Input(ids.RANK, "value"), State("over-steps-key", "data"))
     @guard(lambda msg: (error_figure(msg, "over steps"), None))
     def _history(sel: dict | None, statistic: str | None, overlay: list | None,
-                 versions: dict | None, drawn: str | None) -> tuple:
+                 versions: dict | None, rank: str | None, drawn: str | None) -> tuple:
         if not sel or sel.get("empty") or not sel.get("tensor"):
             raise dash.exceptions.PreventUpdate
         runs = list(dict.fromkeys([sel["run"], *(overlay or [])]))
         statistic = statistic or "norm"
         key = fingerprint([runs, sel["tensor"], sel["direction"], sel["record_iteration"],
-                           sel["kind"], statistic, [(versions or {}).get(r) for r in runs]])
+                           sel["kind"], statistic, [(versions or {}).get(r) for r in runs],
+                           rank])
         if key == drawn:  # only the step moved: the browser moved the marker (above)
             raise dash.exceptions.PreventUpdate
-        return panels.history(project, runs, sel, statistic), key
+        return panels.history(project, runs, sel, statistic, rank=rank), key
 
 
 TAB = Tab("Graph", ids.GRAPH_TAB, layout, register,

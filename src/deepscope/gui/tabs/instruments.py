@@ -15,7 +15,7 @@ import pandas as pd
 from dash import Input, Output, State, html
 
 from ... import catalogue
-from .. import ids
+from .. import ids, ranks
 from ..axes import series_figure
 from ..data import ProjectData, RunData
 from ..figures import Figure, base_layout, line_trace, message_figure, note
@@ -196,6 +196,7 @@ def layout(_run_options: list[dict[str, str]]) -> html.Div:
                   html.Span("Per-layer values where the instrument records them; "
                             "a quantity the run did not record says 'not tracked'.",
                             className="hint")], className="toolbar card"),
+        ranks.strip(),
         *sections,
     ], className="instruments")
 
