@@ -59,13 +59,20 @@ def test_rank_selector_strip_and_graph_warning(browser, project: tuple[Path, str
         assert "global batch" in merged["layout"]["title"]["text"]
         np.testing.assert_allclose(merged["data"][0]["y"],
                                    np.hypot(norms(path, 0), norms(path, 1)), rtol=1e-6)
+        assert "global batch" in page.inner_text("#stats-table caption")
         pick(page, "rank-choice", "rank 1")
         one = history(page, ["ddp · rank 1"])
         np.testing.assert_allclose(one["data"][0]["y"], norms(path, 1), rtol=1e-6)
+        page.wait_for_function("document.querySelector('#stats-table caption').innerText"
+                               ".endsWith('rank 1')", timeout=20_000)
         pick(page, "rank-choice", "all ranks")
         both = history(page, ["ddp · rank 0", "ddp · rank 1"])
         for rank in (0, 1):
             np.testing.assert_allclose(both["data"][rank]["y"], norms(path, rank), rtol=1e-6)
+        # the statistics table: one column per rank
+        page.wait_for_function("Array.from(document.querySelectorAll('#stats-table th'))"
+                               ".map(t => t.innerText).join('|').includes('rank 0|rank 1')",
+                               timeout=20_000)
         assert not page.is_visible("#rank-graph-warning .banner-bad")  # same graph
 
         # KPIs of every run (all are overlaid): one line per rank of the distributed runs
@@ -108,6 +115,9 @@ def test_rank_selector_strip_and_graph_warning(browser, project: tuple[Path, str
         page.click("text=Graph")
         page.wait_for_selector("#rank-graph-warning .banner-bad", timeout=20_000)
         assert "rank 2 recorded a different graph" in page.inner_text("#rank-graph-warning")
+        # merged statistics need every rank: the chart says why they are missing
+        wait_figure(page, "over-steps", "gd.layout.annotations && gd.layout.annotations[0]"
+                    ".text.includes('rank 3 has no file')")
 
         # a single-process run: no selector, no strip, no warning
         pick(page, "run", "single")

@@ -178,13 +178,14 @@ class RunData:
             return world
         return self._world
 
-    def step_records(self, step: int) -> pd.DataFrame:
-        """Statistics of every tensor record of one step. A committed step never changes,
-        so this is cached by step alone (an overwritten run gets a new `RunData`)."""
+    def step_records(self, step: int, rank: str | int = "merged") -> pd.DataFrame:
+        """Statistics of every tensor record of one step (rank: as `Run.stats_wide` takes
+        it; default the global batch). A committed step never changes, so this is cached by
+        step alone (an overwritten run gets a new `RunData`)."""
         def build() -> pd.DataFrame:
             with self.reading() as run:
-                return run.stats_wide(step=step)
-        return self._steps.get(step, build)
+                return run.stats_wide(step=step, rank=rank)
+        return self._steps.get(step if rank == "merged" else (step, rank), build)
 
     def history(self, tensor: str, direction: str, iteration: int,
                 kind: str, rank: str | int = "merged") -> pd.DataFrame:

@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 from dash import Input, Output, State, dcc, html
 
+from ..store.schema import STAT_COLUMNS
 from . import ids
 from .data import ProjectData, RunData, fingerprint
 from .figures import Figure, base_layout, line_trace, message_figure
@@ -95,6 +96,25 @@ def rank_label(rank: QueryRank) -> str:
     """How a query rank is named in titles and legends."""
     return {"merged": "global batch (ranks merged)", ALL: "all ranks"}.get(
         rank, f"rank {rank}") if isinstance(rank, str) else f"rank {rank}"
+
+
+def merged_gap(rd: RunData, values: pd.DataFrame, rank: QueryRank | None) -> str:
+    """Why some merged statistics in `values` (columns of `STAT_COLUMNS`) are missing, or
+    "": a statistic of the global batch needs every rank's record (a missing rank, or one
+    that did not record the tensor, leaves it NaN), and sv_max is never merged."""
+    if rank != "merged":
+        return ""
+    info = rank_info(rd) or {"world": 1, "ranks": [0]}
+    parts = []
+    stats = [c for c in STAT_COLUMNS if c in values and c != "sv_max"]
+    if stats and values[stats].isna().to_numpy().any():
+        absent = [r for r in range(info["world"]) if r not in info["ranks"]]
+        parts.append("merged values are missing where not every rank has a record"
+                     + (f" (rank {', '.join(map(str, absent))} has no file)" if absent else "")
+                     + ": choose a rank to see its own")
+    if "sv_max" in values and values["sv_max"].isna().all():
+        parts.append("sv_max is not merged over ranks")
+    return "; ".join(parts)
 
 
 def split_ranks(df: pd.DataFrame, rank: QueryRank) -> list[tuple[str, pd.DataFrame]]:

@@ -115,12 +115,14 @@ def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
 
     @app.callback(*[Output(i, p) for i, p in _CONTROLS], Output(ids.SEL, "data"),
                   Output("controls-sent", "data"), *_RECORD_OUTPUTS, *inputs,
-                  State(ids.SEL, "data"), State("controls-sent", "data"))
+                  State(ids.SEL, "data"), State("controls-sent", "data"),
+                  State(ids.RANK, "value"))
     def _resolve(run: str | None, kind: str | None, iteration: int | None,
                  direction: str | None, batch: str | None, node: str | None,
                  tensor: str | None, slider: int | None, _prev: Any, _next: Any,
                  tap: dict | None, _buttons: list, click: dict | None, _v: Any,
-                 _diagnoses: list, previous: dict | None, sent: dict | None) -> tuple:
+                 _diagnoses: list, previous: dict | None, sent: dict | None,
+                 rank: str | None) -> tuple:
         trigger, picked_node, picked_step = _trigger(tap, click)
         if trigger is None and previous is not None and ctx.triggered_id is not None:
             raise dash.exceptions.PreventUpdate  # a node-list button appeared, not clicked
@@ -162,7 +164,19 @@ def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
         data = sel.as_dict()
         if data == previous:
             return (*out, dash.no_update, sent, *[dash.no_update] * len(_RECORD_OUTPUTS))
-        return (*out, data, sent, *record_panels(project, data))
+        return (*out, data, sent, *record_panels(project, data, rank))
+
+    @app.callback(Output("nonfinite-banner", "children", allow_duplicate=True),
+                  Output("stats-table", "children", allow_duplicate=True),
+                  Input(ids.RANK, "value"), State(ids.SEL, "data"), State(ids.RUN, "value"),
+                  prevent_initial_call=True)
+    def _rank_changed(rank: str | None, sel: dict | None, run: str | None) -> tuple:
+        """The selected record's statistics again when the rank changes (a distributed run's
+        rank selector; `_resolve` draws them on every other change, and on a run change)."""
+        if not sel or sel.get("empty") or not sel.get("tensor") or sel["run"] != run:
+            raise dash.exceptions.PreventUpdate
+        return contained(lambda: panels.stats_table(project.run(sel["run"]), sel, rank),
+                         lambda msg: (None, error_box(msg)), "statistics table")
 
 
 # The record's own panels come back with the selection itself: one round trip per click.
@@ -170,14 +184,15 @@ _RECORD_OUTPUTS = (Output("nonfinite-banner", "children"), Output("stats-table",
                    Output("values-chart", "figure"), Output("items-chart", "figure"))
 
 
-def record_panels(project: ProjectData, sel: dict[str, Any]) -> tuple:
+def record_panels(project: ProjectData, sel: dict[str, Any], rank: str | None = None) -> tuple:
     """Banner, statistics table, values chart and per-item chart of the selected record;
-    each computed on its own, so an error stays in its panel."""
+    each computed on its own, so an error stays in its panel. rank: the rank selector's
+    value (distributed runs; see `panels.stats_table`)."""
     if sel.get("empty") or not sel.get("tensor"):
         hint = html.P("No recorded tensor to show yet.", className="hint")
         return None, hint, dash.no_update, dash.no_update
     rd = project.run(sel["run"])
-    banner, table = contained(lambda: panels.stats_table(rd, sel),
+    banner, table = contained(lambda: panels.stats_table(rd, sel, rank),
                               lambda msg: (None, error_box(msg)), "statistics table")
     values = contained(lambda: panels.values_panel(rd, sel),
                        lambda msg: error_figure(msg, "values", 240), "values chart")
