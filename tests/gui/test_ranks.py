@@ -62,11 +62,12 @@ def test_status_line_names_each_rank_that_is_not_right() -> None:
                           "steps": [5, 3, 1, 0],
                           "last_step": pd.array([4, 2, 0, None], dtype="Int64"),
                           "problem": ["", "killed?", "", "no file rank3.sqlite"]})
-    line, bad = ranks.status_line(table, 4)
+    line, detail, bad = ranks.status_line(table, 4)
     assert bad
-    assert line == ("4 ranks · rank 1 crashed after step 2 (killed?); rank 3 missing "
-                    "(no file rank3.sqlite)")
-    assert ranks.status_line(table.iloc[[0, 2]], 2) == ("2 ranks", False)
+    assert line == "4 ranks · rank 1 crashed after step 2; rank 3 missing"
+    assert detail == ("4 ranks\nrank 1 crashed after step 2: killed?\n"
+                      "rank 3 missing: no file rank3.sqlite")
+    assert ranks.status_line(table.iloc[[0, 2]], 2) == ("2 ranks", "2 ranks", False)
 
 
 def test_rank_info_and_graph_comparison(project: ProjectData) -> None:
@@ -132,3 +133,26 @@ def test_kpis_per_rank(project: ProjectData) -> None:
     loss = next(c for c in charts if c.to_plotly_json()["props"].get("data-kpi") == "loss")
     names = [t["name"] for t in loss.children.figure["data"]]
     assert names == ["ddp · rank 0", "ddp · rank 1", "single"]
+
+
+def test_warnings_of_several_ranks_are_shown_once_with_their_ranks() -> None:
+    table = pd.DataFrame([(0, 1, "bn", ["GradNorm"], "train mode"),
+                          (1, 2, "bn", ["GradNorm"], "train mode"),
+                          (1, 3, "", ["Alpha"], "no next step")],
+                         columns=["rank", "step", "location", "quantities", "message"])
+    out = ranks.distinct_warnings(table, [0, 1])
+    assert out.to_dict("records") == [
+        {"step": 1, "location": "bn", "quantities": ["GradNorm"], "message": "train mode"},
+        {"step": 3, "location": "rank 1", "quantities": ["Alpha"], "message": "no next step"}]
+    assert ranks.distinct_warnings(table, [0, 1, 2])["location"].tolist() == [
+        "ranks 0, 1 · bn", "rank 1"]
+
+
+def test_health_findings_of_a_distributed_run_name_their_rank() -> None:
+    from deepscope.gui.tabs.diagnosis import _findings
+    found = pd.DataFrame([(1, 3, "train", "fc", "nan", 2.0, 0.0, "NaN in fc")],
+                         columns=["rank", "step", "kind", "tensor", "detector", "value",
+                                  "threshold", "message"])
+    table = _findings("ddp", found)[1]
+    assert [th.children for th in table.children[0].children.children][:2] == ["rank", "step"]
+    assert [td.children for td in table.children[1].children[0].children][:2] == [1, 3]

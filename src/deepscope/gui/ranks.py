@@ -42,34 +42,35 @@ STANDS_OUT = 2.0  # the outlier's mean distance from the median, at least this �
 
 # --- what a run's ranks are -------------------------------------------------------------
 def rank_info(rd: RunData) -> dict[str, Any] | None:
-    """{"world", "ranks", "status", "bad"} of a distributed run, None for a single-process
+    """{"world", "ranks", "status", "detail", "bad"} of a distributed run, None for a single-process
     run (world size 1): what the header shows and the gates read."""
     if rd.world_size() <= 1:
         return None
 
     def build(run: Any) -> dict[str, Any]:
-        line, bad = status_line(run.rank_status(), run.world_size)
+        line, detail, bad = status_line(run.rank_status(), run.world_size)
         return {"world": run.world_size, "ranks": [int(r) for r in run.ranks],
-                "status": line, "bad": bad}
+                "status": line, "detail": detail, "bad": bad}
     return rd.cached("rank_info", build)
 
 
-def status_line(table: pd.DataFrame, world: int) -> tuple[str, bool]:
-    """One line on the ranks (from `run.rank_status()`): how many, and each rank that is
-    missing, crashed, interrupted or otherwise not right; and whether any is."""
-    problems = []
+def status_line(table: pd.DataFrame, world: int) -> tuple[str, str, bool]:
+    """One short line on the ranks (from `run.rank_status()`): how many, and each rank that
+    is missing, crashed, interrupted, left out or otherwise not right; the same with each
+    rank's problem spelled out (the line's tooltip); and whether any rank is not right."""
+    short, long = [], []
     for row in table.itertuples(index=False):
-        fine = row.status in ("finished", "recording") and not _text(row.problem)
-        if fine:
+        if row.status in ("finished", "recording") and not _text(row.problem):
             continue
         text = f"rank {int(row.rank)} {row.status}"
         if row.status != "missing" and _number(row.last_step) is not None:
             text += f" after step {int(row.last_step)}"
-        if _text(row.problem):
-            text += f" ({_text(row.problem)})"
-        problems.append(text)
+        short.append(text)
+        long.append(text + (f": {_text(row.problem)}" if _text(row.problem) else ""))
     head = f"{world} ranks"
-    return (head + " · " + "; ".join(problems), True) if problems else (head, False)
+    if not short:
+        return head, head, False
+    return head + " · " + "; ".join(short), head + "\n" + "\n".join(long), True
 
 
 def _text(v: Any) -> str:
@@ -115,6 +116,21 @@ def merged_gap(rd: RunData, values: pd.DataFrame, rank: QueryRank | None) -> str
     if "sv_max" in values and values["sv_max"].isna().all():
         parts.append("sv_max is not merged over ranks")
     return "; ".join(parts)
+
+
+def distinct_warnings(table: pd.DataFrame, present: list[int]) -> pd.DataFrame:
+    """A several-rank `run.warnings()` table (a `rank` column first) as a one-rank one: each
+    distinct warning once, at its first step, its location prefixed with the ranks that had
+    it unless all `present` ranks did."""
+    rows = []
+    for (location, message), g in table.groupby(["location", "message"], sort=False):
+        had = sorted(int(r) for r in set(g["rank"]))
+        if had != sorted(present):
+            who = f"rank{'s' if len(had) > 1 else ''} {', '.join(map(str, had))}"
+            location = f"{who} · {location}" if location else who
+        first = g.iloc[0]
+        rows.append((g["step"].min(), location, first["quantities"], message))
+    return pd.DataFrame(rows, columns=["step", "location", "quantities", "message"])
 
 
 def split_ranks(df: pd.DataFrame, rank: QueryRank) -> list[tuple[str, pd.DataFrame]]:
@@ -306,24 +322,25 @@ def register(app: dash.Dash, project: ProjectData) -> None:
     """The rank selector's, the strip's and the graph warning's callbacks."""
     @app.callback(Output(ids.RANK_INFO, "data"), Output("rank-ctl", "style"),
                   Output(ids.RANK, "options"), Output(ids.RANK, "value"),
-                  Output("rank-status", "children"), Output("rank-status", "className"),
-                  Output("rank-strip", "style"), Input(ids.RUN, "value"),
+                  Output("rank-status", "children"), Output("rank-status", "title"),
+                  Output("rank-status", "className"), Output("rank-strip", "style"),
+                  Input(ids.RUN, "value"),
                   Input(ids.VERSION_SLOW, "data"), State(ids.RANK, "value"),
                   State(ids.RANK_INFO, "data"))
     def _info(run: str | None, _v: Any, rank: str | None, known: dict | None) -> tuple:
         info = contained(lambda: rank_info(project.run(run)) if run else None,
                          lambda msg: {"world": 0, "ranks": [], "status": f"ranks: {msg}",
-                                      "bad": True}, "ranks")
+                                      "detail": msg, "bad": True}, "ranks")
         if info is None:
             if known is None:
                 raise dash.exceptions.PreventUpdate  # single-process run after another
-            return None, HIDDEN, [GLOBAL], GLOBAL, "", "rank-status", HIDDEN
+            return None, HIDDEN, [GLOBAL], GLOBAL, "", "", "rank-status", HIDDEN
         info = {**info, "run": run}
         if info == known:
             raise dash.exceptions.PreventUpdate
         options = rank_options(info)
         value = rank if rank in {o["value"] for o in options} else GLOBAL
-        return (info, {}, options, value, info["status"],
+        return (info, {}, options, value, info["status"], info["detail"],
                 "rank-status bad" if info["bad"] else "rank-status", {})
 
     app.clientside_callback(_STRIP_GATE, Output("rank-strip-key", "data"),

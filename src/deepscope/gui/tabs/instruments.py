@@ -156,6 +156,8 @@ def section_warnings(rd: RunData) -> list[list[str]]:
     """Per section of SECTIONS: one line for each recording warning of the run that affects
     a quantity drawn there (a warning about no quantity in particular: the first section)."""
     table = rd.cached("warnings", lambda r: r.warnings())
+    if "rank" in table:  # a distributed run: every rank's, each warning once
+        table = ranks.distinct_warnings(table, rd.run.ranks)
     out: list[list[str]] = [[] for _ in SECTIONS]
     for row in table.itertuples(index=False):
         step = "" if row.step is None or row.step != row.step else f"step {int(row.step)} · "
