@@ -156,3 +156,12 @@ def test_health_findings_of_a_distributed_run_name_their_rank() -> None:
     table = _findings("ddp", found)[1]
     assert [th.children for th in table.children[0].children.children][:2] == ["rank", "step"]
     assert [td.children for td in table.children[1].children[0].children][:2] == [1, 3]
+
+
+def test_an_overlaid_run_without_the_chosen_rank_is_named_not_an_error(
+        project: ProjectData) -> None:
+    sel = {"tensor": "output", "direction": "forward", "record_iteration": 0, "kind": "train",
+           "step": 0}
+    fig = panels.history(project, ["odd", "ddp"], sel, "norm", rank="2")
+    assert [t["name"] for t in fig["data"]] == ["odd · rank 2"]
+    assert fig["layout"]["annotations"][0]["text"] == "not recorded in ddp (no rank 2)"

@@ -228,9 +228,12 @@ def history(project: ProjectData, runs: Sequence[str], sel: dict[str, Any],
     line per run (and per rank where `rank` is "all"); one SQL query per run. rank: the
     rank selector's value, for distributed runs (default: the global batch)."""
     traces, absent, which, gaps = [], [], set(), []
-    for name in dict.fromkeys(runs):
+    for i, name in enumerate(dict.fromkeys(runs)):
         rd = project.run(name)
         q = ranks.query_rank(rd, rank)
+        if isinstance(q, int) and q not in rd.run.ranks:  # an overlaid run with fewer ranks
+            absent.append(f"{name} (no rank {q})")
+            continue
         df = rd.history(sel["tensor"], sel["direction"], sel["record_iteration"], sel["kind"],
                         "merged" if q is None else q)
         if df.empty:
@@ -241,9 +244,10 @@ def history(project: ProjectData, runs: Sequence[str], sel: dict[str, Any],
             gap = ranks.merged_gap(rd, df[[statistic]], q)
             if gap:
                 gaps.append(f"{name}: {gap}")
-        for suffix, part in ranks.split_ranks(df, q) if q is not None else [("", df)]:
+        parts = ranks.split_ranks(df, q) if q is not None else [("", df)]
+        for suffix, part in parts:  # a run keeps its colour unless it is split by rank
             traces.append(line_trace(name + suffix, part["step"], part[statistic],
-                                     len(traces)))
+                                     i if len(parts) == 1 else len(traces)))
     label = "gradient" if sel["direction"] == "grad" else sel["direction"]
     title = f"{statistic} of {sel['tensor']} ({label}) over steps · kind {sel['kind']}"
     if which:

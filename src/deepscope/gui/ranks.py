@@ -42,8 +42,8 @@ STANDS_OUT = 2.0  # the outlier's mean distance from the median, at least this Ã
 
 # --- what a run's ranks are -------------------------------------------------------------
 def rank_info(rd: RunData) -> dict[str, Any] | None:
-    """{"world", "ranks", "status", "detail", "bad"} of a distributed run, None for a single-process
-    run (world size 1): what the header shows and the gates read."""
+    """{"world", "ranks", "status", "detail", "bad"} of a distributed run, None for a
+    single-process run (world size 1): what the header shows and the gates read."""
     if rd.world_size() <= 1:
         return None
 
@@ -95,8 +95,8 @@ def query_rank(rd: RunData, choice: str | None) -> QueryRank | None:
 
 def rank_label(rank: QueryRank) -> str:
     """How a query rank is named in titles and legends."""
-    return {"merged": "global batch (ranks merged)", ALL: "all ranks"}.get(
-        rank, f"rank {rank}") if isinstance(rank, str) else f"rank {rank}"
+    return {"merged": "global batch (ranks merged)", ALL: "all ranks"}.get(str(rank),
+                                                                           f"rank {rank}")
 
 
 def merged_gap(rd: RunData, values: pd.DataFrame, rank: QueryRank | None) -> str:
@@ -110,9 +110,9 @@ def merged_gap(rd: RunData, values: pd.DataFrame, rank: QueryRank | None) -> str
     stats = [c for c in STAT_COLUMNS if c in values and c != "sv_max"]
     if stats and values[stats].isna().to_numpy().any():
         absent = [r for r in range(info["world"]) if r not in info["ranks"]]
-        parts.append("merged values are missing where not every rank has a record"
+        parts.append("some merged values are missing: a rank has no record"
                      + (f" (rank {', '.join(map(str, absent))} has no file)" if absent else "")
-                     + ": choose a rank to see its own")
+                     + " or no finite element; choose a rank to see its own")
     if "sv_max" in values and values["sv_max"].isna().all():
         parts.append("sv_max is not merged over ranks")
     return "; ".join(parts)
