@@ -165,3 +165,18 @@ def test_an_overlaid_run_without_the_chosen_rank_is_named_not_an_error(
     fig = panels.history(project, ["odd", "ddp"], sel, "norm", rank="2")
     assert [t["name"] for t in fig["data"]] == ["odd · rank 2"]
     assert fig["layout"]["annotations"][0]["text"] == "not recorded in ddp (no rank 2)"
+
+
+def test_a_merged_record_without_batch_dimension_says_when_it_is_one_ranks(
+        project: ProjectData) -> None:
+    """The loss differs between ranks and has no batch dimension: the global choice shows
+    rank 0's record, and says so rather than passing it off as the global batch's."""
+    rd = project.run("ddp")
+    sel = {"tensor": "loss", "direction": "forward", "record_iteration": 0, "step": 1,
+           "batch": "mean", "kind": "train"}
+    _, table = panels.stats_table(rd, sel)
+    assert "the ranks' records differ: this is rank 0's" in table.children[0].children
+    fig = panels.history(project, ["ddp"], sel, "mean")
+    assert "this is rank 0's" in fig["layout"]["annotations"][0]["text"]
+    _, batched = panels.stats_table(rd, {**sel, "tensor": "output"})
+    assert "differ" not in batched.children[0].children

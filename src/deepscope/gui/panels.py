@@ -63,9 +63,13 @@ def stats_table(rd: RunData, sel: dict[str, Any], rank: str | None = None) -> tu
     caption = f"{tensor} · step {step}" + (f" · iteration {it}" if it else "")
     if q is not None:
         caption += f" · {ranks.rank_label(q)}"
-        gap = ranks.merged_gap(rd, df, q)
-        if gap:
-            caption += f" · {gap}"
+        notes = [ranks.merged_gap(rd, df, q)]
+        if q == "merged":
+            def every() -> Any:
+                rows = rd.step_records(step, ranks.ALL)
+                return rows[(rows["iteration"] == it) & (rows["tensor"] == tensor)]
+            notes.append(ranks.unbatched_note(rd, tensor, every))
+        caption += "".join(f" · {n}" for n in notes if n)
     if item is not None:
         columns = [(h, d, v, False) for h, d, v, _ in columns]
         of = f" of rank {q if isinstance(q, int) else 0}" if q is not None else ""
@@ -241,9 +245,12 @@ def history(project: ProjectData, runs: Sequence[str], sel: dict[str, Any],
             continue
         if q is not None:
             which.add(q)
-            gap = ranks.merged_gap(rd, df[[statistic]], q)
-            if gap:
-                gaps.append(f"{name}: {gap}")
+            notes = [ranks.merged_gap(rd, df[[statistic]], q)]
+            if q == "merged":
+                notes.append(ranks.unbatched_note(rd, sel["tensor"], lambda rd=rd: rd.history(
+                    sel["tensor"], sel["direction"], sel["record_iteration"], sel["kind"],
+                    ranks.ALL)))
+            gaps += [f"{name}: {n}" for n in notes if n]
         parts = ranks.split_ranks(df, q) if q is not None else [("", df)]
         for suffix, part in parts:  # a run keeps its colour unless it is split by rank
             traces.append(line_trace(name + suffix, part["step"], part[statistic],

@@ -118,6 +118,28 @@ def merged_gap(rd: RunData, values: pd.DataFrame, rank: QueryRank | None) -> str
     return "; ".join(parts)
 
 
+def unbatched_note(rd: RunData, tensor: str, every: Any) -> str:
+    """The merged record of a tensor without a batch dimension (a parameter, a synced
+    gradient, a scalar loss) is the lowest rank's, since it should be the same on every rank:
+    "" where it is (or the tensor has a batch dimension), else a note that the ranks' records
+    differ, so the merged value is one rank's. every: a callable giving the tensor's records
+    with rank="all" (read only for such a tensor)."""
+    if rd.tensor_info().get(tensor, {}).get("batch_dim") is not None:
+        return ""
+    table = every()
+    table = table[table["tensor"] == tensor] if "tensor" in table else table
+    cols = [c for c in STAT_COLUMNS if c in table and c != "sv_max"]
+    keys = [c for c in ("step", "iteration", "direction") if c in table]
+    for _, g in table.groupby(keys, sort=False):
+        values = g[cols].to_numpy(dtype=float)
+        same = (values == values[0]) | (np.isnan(values) & np.isnan(values[0]))
+        if not same.all():
+            lowest = (rank_info(rd) or {"ranks": [0]})["ranks"][0]
+            return (f"{tensor} has no batch dimension and the ranks' records differ: this is "
+                    f"rank {lowest}'s; choose all ranks to compare")
+    return ""
+
+
 def distinct_warnings(table: pd.DataFrame, present: list[int]) -> pd.DataFrame:
     """A several-rank `run.warnings()` table (a `rank` column first) as a one-rank one: each
     distinct warning once, at its first step, its location prefixed with the ranks that had
