@@ -303,3 +303,16 @@ def test_a_damaged_manifest_leaves_its_file_out(tmp_path):
     with pytest.warns(DeepscopeWarning, match="stored meta 'distributed' is not a manifest"):
         assert run.ranks == [0] and run.world_size == 2
     assert run.rank_status()["status"].tolist() == ["finished", "left out"]
+
+
+def test_a_damaged_rank_0_leaves_the_other_ranks_readable(tmp_path):
+    name = distributed_run(tmp_path)
+    (tmp_path / name / "rank0.sqlite").write_bytes(b"garbage" * 10)
+    run = deepscope.open_run(tmp_path / name)
+    with pytest.warns(DeepscopeWarning, match=r"rank0\.sqlite is left out of this run: .*not "
+                      "a deepscope store"):
+        assert run.ranks == [1] and run.world_size == 2  # rank 1's manifest
+    assert run.rank_status()["status"].tolist() == ["left out", "finished"]
+    assert len(run.stats_wide("act", rank=1)) == 2 * STEPS
+    with pytest.raises(CorruptRunError, match="not a deepscope store"):
+        run.quantities()  # the global values are in rank 0's file

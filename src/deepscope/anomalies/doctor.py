@@ -54,7 +54,7 @@ def _run_report(run: Run, rank: int, limit: int) -> str:
 def _findings_report(run: Run, rank: int, limit: int) -> str:
     found = run.anomalies(rank)
     head = f"run {run.name} ({run.path}, rank {rank})"
-    if ranks := describe_ranks(run):
+    if ranks := describe_ranks(run.manifest(), run.status):
         head += f" [{ranks}]"
     if found.empty:
         return (f"{head}: no anomalies recorded.\n  (Findings come from "

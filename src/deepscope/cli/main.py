@@ -45,7 +45,7 @@ def ls(args: argparse.Namespace) -> int:
             first, last = (steps[0], steps[-1]) if steps else ("-", "-")
             print(f"{name:<24} {len(steps):>9} {first!s:>7} {last!s:>7} {kpi_steps:>9} "
                   f"{_cut(kinds, 20):<20} {_size(run.size_bytes()):>9}")
-            if line := describe_ranks(run):  # a distributed run's ranks, one line
+            if line := describe_ranks(run.manifest(), run.status):  # a distributed run
                 print(f"  {clean(line)}")
         finally:
             run.close()

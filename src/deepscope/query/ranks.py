@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import CorruptRunError, DeepscopeWarning
 from ..store import limits
-
-if TYPE_CHECKING:
-    from .run import Run
 
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -129,15 +127,16 @@ def warn_left_out(paths: dict[int, Path], problems: dict[int, str]) -> None:
                       stacklevel=4)
 
 
-def describe(run: Run) -> str:
+def describe(manifest: Manifest, status: Callable[[int], str]) -> str:
     """One line about a run's ranks for `deepscope ls` / `doctor`, e.g. "ranks: 1 of world
-    size 2 readable; rank 1 missing"; "" for a single-process run with one file."""
-    m = run.manifest()
+    size 2 readable; rank 1 missing"; "" for a single-process run with one file.
+    `status`: `Run.status`."""
+    m = manifest
     if m.world_size == 1 and len(m.ranks) == 1 and not m.problems:
         return ""
     parts = [f"ranks: {len(m.ranks)} of world size {m.world_size} readable"]
     parts += [f"rank {r} missing" for r in m.missing]
     parts += [f"rank {r} left out ({why})" for r, why in m.problems.items()]
     parts += [f"rank {r} {s}" for r in m.ranks
-              if (s := run.status(r)) not in ("finished", "recording", "unknown")]
+              if (s := status(r)) not in ("finished", "recording", "unknown")]
     return "; ".join(parts)
