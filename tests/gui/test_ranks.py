@@ -119,12 +119,12 @@ def test_statistics_over_steps_per_rank_choice(project: ProjectData) -> None:
 
 def test_statistics_table_per_rank_choice(project: ProjectData) -> None:
     rd = project.run("ddp")
-    sel = {"tensor": "output", "direction": "forward", "record_iteration": 0, "step": 2,
-           "batch": "mean"}
+    sel = {"run": "ddp", "tensor": "output", "direction": "forward", "record_iteration": 0,
+           "step": 2, "batch": "mean"}
     _, table = panels.stats_table(rd, sel, "all")
     head = [th.children for th in table.children[1].children.children]
     assert head == ["statistic", "rank 0", "rank 1"]
-    _, single = panels.stats_table(project.run("single"), {**sel, "step": 2}, "all")
+    _, single = panels.stats_table(project.run("single"), {**sel, "run": "single"}, "all")
     assert "rank" not in single.children[0].children   # the caption: a single-process run
 
 
@@ -172,8 +172,8 @@ def test_a_merged_record_without_batch_dimension_says_when_it_is_one_ranks(
     """The loss differs between ranks and has no batch dimension: the global choice shows
     rank 0's record, and says so rather than passing it off as the global batch's."""
     rd = project.run("ddp")
-    sel = {"tensor": "loss", "direction": "forward", "record_iteration": 0, "step": 1,
-           "batch": "mean", "kind": "train"}
+    sel = {"run": "ddp", "tensor": "loss", "direction": "forward", "record_iteration": 0,
+           "step": 1, "batch": "mean", "kind": "train"}
     _, table = panels.stats_table(rd, sel)
     assert "the ranks' records differ: this is rank 0's" in table.children[0].children
     fig = panels.history(project, ["ddp"], sel, "mean")
