@@ -4,6 +4,8 @@ KPI charts per rank choice; a single-process run is left as it was."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -180,3 +182,9 @@ def test_a_merged_record_without_batch_dimension_says_when_it_is_one_ranks(
     assert "this is rank 0's" in fig["layout"]["annotations"][0]["text"]
     _, batched = panels.stats_table(rd, {**sel, "tensor": "output"})
     assert "differ" not in batched.children[0].children
+
+
+def test_a_run_without_rank_0_still_says_which_ranks_it_has(tmp_path: Path) -> None:
+    record_ranks(tmp_path, "r", present=(1,))
+    info = ranks.rank_info(ProjectData(tmp_path).run("r"))
+    assert (info["world"], info["ranks"], info["status"]) == (2, [1], "2 ranks · rank 0 missing")

@@ -172,8 +172,9 @@ class RunData:
         with the run's meta, before any step."""
         if self._world is None:
             with self.reading() as run:
-                world = run.world_size
-                if run.meta():  # a file still being created may have no meta yet
+                world, present = run.world_size, run.ranks
+                # a file still being created may have no meta yet (rank 0's may be missing)
+                if present and run.meta(present[0]):
                     self._world = world
             return world
         return self._world
