@@ -203,8 +203,8 @@ def spread(local: pd.DataFrame, name: str) -> Spread:
     their largest relative gap instead.
     """
     rows = local[(local["name"] == name) & (local["layer"] == "")]
-    table = rows.pivot_table(index="step", columns="rank", values="value", aggfunc="first",
-                             dropna=False).sort_index()
+    # one value per rank and step (the tables' key): a plain pivot, no aggregation
+    table = rows.pivot(index="step", columns="rank", values="value").sort_index()
     table.columns = [int(c) for c in table.columns]
     if table.shape[1] < 2 or table.empty:
         return Spread(table, None, "")
