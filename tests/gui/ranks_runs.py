@@ -30,8 +30,9 @@ def record_ranks(path: Path, run: str, world: int = 2, present: tuple[int, ...] 
                  bad: int | None = None, other_graph: int | None = None) -> None:
     """Ranks `present` of a `world`-rank run: the same model on every rank, each rank its
     own batches; rank `other_graph` also records a tensor the others do not (its graph
-    differs); rank `bad` stores local losses 5 times the others'. Rank 0 also stores the
-    global batch's Loss and GradNorm (the mean of the present ranks' local values)."""
+    differs); rank `bad` stores local losses 5 times the others'. Local GradNorm also for
+    layer "out.weight" (a tenth of the whole model's). Rank 0 also stores the global batch's
+    Loss and GradNorm (the mean of the present ranks' local values)."""
     run_id = None
     for rank in present:
         torch.manual_seed(0)
@@ -54,12 +55,16 @@ def record_ranks(path: Path, run: str, world: int = 2, present: tuple[int, ...] 
                                         local=True),
                           QuantityValue("GradNorm", step, "", local_norm(rank, step),
                                         local=True),
+                          QuantityValue("GradNorm", step, "out.weight",
+                                        local_norm(rank, step) / 10, local=True),
                           QuantityValue("BatchSize", step, "", 4.0, local=True)]
                 if rank == 0:
-                    values += [QuantityValue(name, step, "", sum(
-                        f(r, step) for r in present) / len(present)) for name, f in (
-                        ("Loss", lambda r, s: local_loss(r, s, bad)),
-                        ("GradNorm", local_norm))]
+                    values += [QuantityValue(name, step, layer, sum(
+                        f(r, step) for r in present) / len(present) / scale)
+                        for name, layer, scale, f in (
+                            ("Loss", "", 1, lambda r, s: local_loss(r, s, bad)),
+                            ("GradNorm", "", 1, local_norm),
+                            ("GradNorm", "out.weight", 10, local_norm))]
                 scope.writer.submit_quantities(values)
         finally:
             scope.close()

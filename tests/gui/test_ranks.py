@@ -97,6 +97,15 @@ def test_strip_draws_every_rank_and_the_global_batch(project: ProjectData) -> No
     assert "rank 2 is furthest from the median" in lines[0].children
     (chosen, _), _ = ranks.strip_panels(project.run("odd"), "1")
     assert [t.get("opacity") for t in chosen["data"][:3]] == [0.3, None, 0.3]
+    # the gradient norm of the Instruments tab's layer, where the ranks recorded it
+    (_, layer), _ = ranks.strip_panels(project.run("odd"), "global", "out.weight")
+    assert layer["layout"]["title"]["text"] == "local gradient norm · out.weight"
+    np.testing.assert_allclose(layer["data"][1]["y"], [local_norm(1, s) / 10
+                                                       for s in range(STEPS)])
+    np.testing.assert_allclose(layer["data"][3]["y"], [
+        sum(local_norm(r, s) for r in (0, 1, 2)) / 30 for s in range(STEPS)])  # global
+    (_, whole), _ = ranks.strip_panels(project.run("odd"), "global", "pre.weight")
+    assert whole["layout"]["title"]["text"] == "local gradient norm"   # not per layer there
 
 
 def test_statistics_over_steps_per_rank_choice(project: ProjectData) -> None:

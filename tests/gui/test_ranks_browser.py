@@ -15,7 +15,7 @@ import pytest
 import deepscope
 
 from .conftest import record_run, start_server
-from .ranks_runs import STEPS, local_loss, record_ranks
+from .ranks_runs import STEPS, local_loss, local_norm, record_ranks
 from .test_browser import IMG, figure, open_graph, pick, wait_figure
 
 pytestmark = pytest.mark.browser
@@ -97,6 +97,10 @@ def test_rank_selector_strip_and_graph_warning(browser, project: tuple[Path, str
         np.testing.assert_allclose(loss["data"][2]["y"], [
             (local_loss(0, s) + local_loss(1, s)) / 2 for s in range(STEPS)])
         assert "differ by up to" in page.inner_text("#rank-strip-summary")
+        pick(page, "inst-layer", "out.weight")  # the gradient norm follows the layer
+        norm = wait_figure(page, "rank-gradnorm", "gd.layout.meta.layer === 'out.weight'")
+        assert norm["data"][0]["y"] == pytest.approx([local_norm(0, s) / 10
+                                                      for s in range(STEPS)])
         pick(page, "rank-choice", "rank 1")   # the chosen rank stands out, the others fade
         chosen = wait_figure(page, "rank-loss", "gd.layout.meta.chosen === 1")
         assert chosen["data"][0]["opacity"] == 0.3 and chosen["data"][1]["line"]["width"] > 3

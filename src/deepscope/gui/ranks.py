@@ -32,7 +32,8 @@ GLOBAL = "global"
 ALL = "all"
 QueryRank = str | int  # what `run.stats(rank=)` takes: "merged", a rank, or "all"
 
-# the spread strip: local values every rank writes (layer "": the whole model)
+# the spread strip: local values every rank writes (layer "": the whole model; GradNorm
+# also per parameter, drawn for the Instruments tab's layer)
 STRIP = (("Loss", "local loss", "rank-loss"), ("GradNorm", "local gradient norm",
                                                "rank-gradnorm"))
 STRIP_HEIGHT = 220
@@ -192,9 +193,9 @@ class Spread:
     summary: str              # one line saying so (or how far the two ranks are apart)
 
 
-def spread(local: pd.DataFrame, name: str) -> Spread:
-    """The spread of local quantity `name` (layer "") over ranks, from
-    `run.quantities(rank="all")`.
+def spread(local: pd.DataFrame, name: str, layer: str = "") -> Spread:
+    """The spread of local quantity `name` of `layer` ("" = the whole model) over ranks,
+    from `run.quantities(rank="all")`.
 
     Distance from the median is relative, |v − median| / |median| per step (absolute where
     the median is 0), averaged over the steps a rank has; with 3 or more ranks the rank with
@@ -202,7 +203,7 @@ def spread(local: pd.DataFrame, name: str) -> Spread:
     ranks the median is their midpoint, so no rank can be singled out: the summary gives
     their largest relative gap instead.
     """
-    rows = local[(local["name"] == name) & (local["layer"] == "")]
+    rows = local[(local["name"] == name) & (local["layer"] == layer)]
     # one value per rank and step (the tables' key): a plain pivot, no aggregation
     table = rows.pivot(index="step", columns="rank", values="value").sort_index()
     table.columns = [int(c) for c in table.columns]
@@ -236,11 +237,15 @@ def spread(local: pd.DataFrame, name: str) -> Spread:
 
 
 def strip_figure(rd: RunData, name: str, title: str, local: pd.DataFrame,
-                 choice: str | None) -> tuple[Figure, Spread]:
+                 choice: str | None, layer: str = "") -> tuple[Figure, Spread]:
     """One chart of the strip: every rank's local value over steps (the outlier bold, a
     chosen rank bold and the others faint), the global batch's value dashed; and the
-    spread it shows."""
-    s = spread(local, name)
+    spread it shows. layer: the Instruments tab's layer, where the ranks recorded `name`
+    for it (else the whole model)."""
+    if layer and not ((local["name"] == name) & (local["layer"] == layer)).any():
+        layer = ""
+    title += f" · {layer}" if layer else ""
+    s = spread(local, name, layer)
     if s.table.empty:
         return message_figure(f"{name}: no local values recorded", title,
                               height=STRIP_HEIGHT), s
@@ -255,24 +260,27 @@ def strip_figure(rd: RunData, name: str, title: str, local: pd.DataFrame,
             trace["opacity"] = 0.3
         traces.append(trace)
     glob = rd.quantities(name)
-    glob = glob[glob["layer"] == ""]
+    glob = glob[glob["layer"] == layer]
     if not glob.empty:
         trace = line_trace("global batch", glob["step"], glob["value"], dash="dash")
         trace["line"]["color"] = GLOBAL_COLOUR
         traces.append(trace)
     layout = base_layout(title, height=STRIP_HEIGHT, showlegend=True,
-                         meta={"quantity": name, "ranks": [int(k) for k in s.table.columns],
-                               "outlier": s.outlier, "chosen": chosen})
+                         meta={"quantity": name, "layer": layer, "outlier": s.outlier,
+                               "ranks": [int(k) for k in s.table.columns], "chosen": chosen})
     return {"data": traces, "layout": layout}, s
 
 
-def strip_panels(rd: RunData, choice: str | None) -> tuple[list[Figure], list[Any]]:
-    """The strip's figures and its summary lines (one per quantity that has one)."""
+def strip_panels(rd: RunData, choice: str | None,
+                 layer: str = "") -> tuple[list[Figure], list[Any]]:
+    """The strip's figures and its summary lines (one per quantity that has one); the
+    gradient norm of `layer` where the ranks recorded it per layer."""
     local = rd.cached("local_values", lambda r: pd.concat(
         [r.quantities(n, rank=ALL) for n, _, _ in STRIP], ignore_index=True))
     figures, lines = [], []
     for name, title, _ in STRIP:
-        figure, s = strip_figure(rd, name, title, local, choice)
+        figure, s = strip_figure(rd, name, title, local, choice,
+                                 layer if name == "GradNorm" else "")
         figures.append(figure)
         if s.summary:  # a rank that stands out is a warning; the plain spread a remark
             bad = s.outlier is not None
@@ -321,10 +329,10 @@ def rank_options(info: dict[str, Any]) -> list[dict[str, str]]:
 # --- callbacks ----------------------------------------------------------------------------
 # Browser-side gates: the strip and the graph check wake the server only for a distributed
 # run (rank-info set) and only when what they show changed.
-_STRIP_GATE = """function (tab, info, rank, version, known) {
+_STRIP_GATE = """function (tab, info, rank, version, layer, known) {
     const run = info && info.run;
     const key = (tab === "instruments" && run) ? [run, rank,
-        ((version || {}).versions || {})[run] || null] : null;
+        ((version || {}).versions || {})[run] || null, layer || ""] : null;
     if (!key || JSON.stringify(key) === JSON.stringify(known)) {
         return window.dash_clientside.no_update;
     }
@@ -368,7 +376,7 @@ def register(app: dash.Dash, project: ProjectData) -> None:
     app.clientside_callback(_STRIP_GATE, Output("rank-strip-key", "data"),
                             Input(ids.TABS, "value"), Input(ids.RANK_INFO, "data"),
                             Input(ids.RANK, "value"), Input(ids.VERSION_SLOW, "data"),
-                            State("rank-strip-key", "data"))
+                            Input("inst-layer", "value"), State("rank-strip-key", "data"))
     app.clientside_callback(_GRAPH_GATE, Output("rank-graph-key", "data"),
                             Input(ids.SEL, "data"), Input(ids.RANK_INFO, "data"),
                             State("rank-graph-key", "data"))
@@ -378,12 +386,13 @@ def register(app: dash.Dash, project: ProjectData) -> None:
     def _strip(key: list | None) -> tuple:
         if not key:
             raise dash.exceptions.PreventUpdate
-        run, rank = key[0], key[1]
+        run, rank, _version, layer = key
 
         def failed(msg: str) -> tuple:
             return (*[error_figure(msg, title, STRIP_HEIGHT) for _, title, _ in STRIP],
                     error_box(msg))
-        return contained(lambda: _strip_outputs(project.run(run), rank), failed, "rank strip")
+        return contained(lambda: _strip_outputs(project.run(run), rank, layer), failed,
+                         "rank strip")
 
     @app.callback(Output("rank-graph-warning", "children"), Input("rank-graph-key", "data"))
     def _graph_warning(key: list | None) -> Any:
@@ -394,8 +403,8 @@ def register(app: dash.Dash, project: ProjectData) -> None:
                          error_box, "graph comparison")
 
 
-def _strip_outputs(rd: RunData, rank: str | None) -> tuple:
-    figures, lines = strip_panels(rd, rank)
+def _strip_outputs(rd: RunData, rank: str | None, layer: str) -> tuple:
+    figures, lines = strip_panels(rd, rank, layer)
     return (*figures, lines)
 
 
