@@ -7,7 +7,7 @@ from pathlib import Path
 import dash
 from dash import html
 
-from . import ids, poll
+from . import ids, poll, ranks
 from .data import ProjectData
 from .layout import empty_page, page
 from .tabs import Tab, compare, diagnosis, graph, instruments, kpis, notes
@@ -46,4 +46,5 @@ def create_app(project_path: str | Path) -> dash.Dash:
     poll.register(app, project, (ids.RUN, *(i for t in TABS for i in t.run_lists)))
     for tab in TABS:
         tab.register(app, project)
+    ranks.register(app, project)
     return app

@@ -93,6 +93,7 @@ class RunData:
         self._graphs = LRU(256, RUN_CACHE_BYTES // 4)
         self._steps = LRU(256, RUN_CACHE_BYTES // 4)
         self._identity = self._file_identity()
+        self._world: int | None = None  # world size, read once (a run's meta keeps it)
 
     def _file_identity(self) -> tuple[int, ...]:
         """Inodes of the rank files: they change when a run is overwritten (deleted, re-made)."""
@@ -166,21 +167,35 @@ class RunData:
     def meta(self) -> dict[str, Any]:
         return self.cached("meta", lambda r: r.meta())
 
-    def step_records(self, step: int) -> pd.DataFrame:
-        """Statistics of every tensor record of one step. A committed step never changes,
-        so this is cached by step alone (an overwritten run gets a new `RunData`)."""
+    def world_size(self) -> int:
+        """Processes that recorded the run (1: single-process), read once: it is written
+        with the run's meta, before any step."""
+        if self._world is None:
+            with self.reading() as run:
+                world, present = run.world_size, run.ranks
+                # a file still being created may have no meta yet (rank 0's may be missing)
+                if present and run.meta(present[0]):
+                    self._world = world
+            return world
+        return self._world
+
+    def step_records(self, step: int, rank: str | int = "merged") -> pd.DataFrame:
+        """Statistics of every tensor record of one step (rank: as `Run.stats_wide` takes
+        it; default the global batch). A committed step never changes, so this is cached by
+        step alone (an overwritten run gets a new `RunData`)."""
         def build() -> pd.DataFrame:
             with self.reading() as run:
-                return run.stats_wide(step=step)
-        return self._steps.get(step, build)
+                return run.stats_wide(step=step, rank=rank)
+        return self._steps.get(step if rank == "merged" else (step, rank), build)
 
     def history(self, tensor: str, direction: str, iteration: int,
-                kind: str) -> pd.DataFrame:
-        """Statistics of one tensor over all recorded steps of a kind: one SQL query,
-        repeated only when the run changed (a step click reuses it)."""
-        return self.cached(f"history:{tensor}:{direction}:{iteration}:{kind}",
+                kind: str, rank: str | int = "merged") -> pd.DataFrame:
+        """Statistics of one tensor over all recorded steps of a kind: one SQL query (per
+        rank), repeated only when the run changed (a step click reuses it). rank: as
+        `Run.stats_wide` takes it (default: the global batch)."""
+        return self.cached(f"history:{tensor}:{direction}:{iteration}:{kind}:{rank}",
                            lambda r: r.stats_wide(tensor, direction=direction,
-                                                  iteration=iteration, kind=kind))
+                                                  iteration=iteration, kind=kind, rank=rank))
 
     def graph(self, step: int, iteration: int) -> dict[str, Any]:
         """The dependency graph of one step and iteration; recorded graphs never change."""

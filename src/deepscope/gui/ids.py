@@ -12,6 +12,9 @@ RUN = "run"                  # run selector in the header; every tab follows it
 TABS = "tabs"                # the tab strip; its value is the shown tab's value
 LIVE_STATUS = "live-status"  # "live" / "updated HH:MM:SS", set by the poll
 GRAPH_TAB = "graph"          # the Graph tab's value (the Diagnosis tab switches to it)
+# distributed runs (ranks.py): the rank selector in the header and what it knows of the run
+RANK = "rank-choice"         # "global", "<r>" or "all"
+RANK_INFO = "rank-info"      # None for a single-process run, else world, ranks, status line
 
 # the poll (poll.py)
 POLL = "poll"                  # interval of the page with runs

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from dash import dcc, html
 
-from . import ids, poll
+from . import ids, poll, ranks
 from .tabs import Tab
 from .widgets import dropdown, labelled
 
@@ -23,6 +23,7 @@ def page(project_label: str, runs: list[str], tabs: Sequence[Tab]) -> html.Div:
             html.H1("deepscope", className="brand"),
             html.Span(project_label, className="project", title=project_label),
             labelled("Run", dropdown(ids.RUN, options=run_options, value=runs[0]), "run-ctl"),
+            *ranks.header_controls(),
             html.Span(id=ids.LIVE_STATUS, className="live-status"),
         ], className="topbar"),
         dcc.Tabs(id=ids.TABS, value=tabs[0].value, className="tabs", children=[

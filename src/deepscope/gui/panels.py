@@ -14,6 +14,7 @@ import numpy as np
 from dash import html
 
 from ..store.schema import SAMPLE_MAX_VALUES, STAT_COLUMNS
+from . import ranks
 from .data import ProjectData, RunData
 from .figures import (
     Figure,
@@ -38,23 +39,42 @@ def fmt(v: float) -> str:
     return f"{v:.5g}"
 
 
-def stats_table(rd: RunData, sel: dict[str, Any]) -> tuple[Any, Any]:
+def stats_table(rd: RunData, sel: dict[str, Any], rank: str | None = None) -> tuple[Any, Any]:
     """(banner, table) for the selected tensor record; one column per stored direction, plus
-    one for the selected batch item (computed from its stored values) when a sample is shown."""
+    one for the selected batch item (computed from its stored values) when a sample is shown.
+    rank: the rank selector's value, for a distributed run (default: the global batch,
+    merged); "all": one column per rank, of the selected direction."""
     tensor, step, it = sel["tensor"], sel["step"], sel["record_iteration"]
-    df = rd.step_records(step)
+    q = ranks.query_rank(rd, rank)
+    df = rd.step_records(step) if q is None else rd.step_records(step, q)
     df = df[(df["tensor"] == tensor) & (df["iteration"] == it)]
+    if q == ranks.ALL:
+        df = df[df["direction"] == sel["direction"]]
     if df.empty:
         return None, html.P(f"{tensor} has no record at step {step}, iteration {it}.",
                             className="hint")
     # (header, stored direction, statistics, selected) per column
-    columns = [(_direction_name(d), d, row[list(STAT_COLUMNS)].astype(float).tolist(),
-                d == sel["direction"]) for d, (_, row) in zip(df["direction"], df.iterrows())]
-    item, why_not = _item_stats(rd, sel)
+    heads = ([f"rank {int(k)}" for k in df["rank"]] if q == ranks.ALL
+             else [_direction_name(d) for d in df["direction"]])
+    columns = [(h, d, row[list(STAT_COLUMNS)].astype(float).tolist(),
+                d == sel["direction"] and q != ranks.ALL)
+               for h, d, (_, row) in zip(heads, df["direction"], df.iterrows())]
+    item, why_not = _item_stats(rd, sel, q)
     caption = f"{tensor} · step {step}" + (f" · iteration {it}" if it else "")
+    if q is not None:
+        caption += f" · {ranks.rank_label(q)}"
+        notes = [ranks.merged_gap(rd, df, q)]
+        if q == "merged":
+            def every() -> Any:
+                rows = rd.step_records(step, ranks.ALL)
+                return rows[(rows["iteration"] == it) & (rows["tensor"] == tensor)]
+            notes.append(ranks.unbatched_note(rd, tensor, every))
+        caption += "".join(f" · {n}" for n in notes if n)
     if item is not None:
         columns = [(h, d, v, False) for h, d, v, _ in columns]
-        columns.append((f"batch item {_view_of(sel['batch'])[1]}", sel["direction"], item, True))
+        of = f" of rank {q if isinstance(q, int) else 0}" if q is not None else ""
+        columns.append((f"batch item {_view_of(sel['batch'])[1]}{of}", sel["direction"], item,
+                        True))
     elif why_not:
         caption += f" · whole batch ({why_not})"
     head = html.Tr([html.Th("statistic")] + [
@@ -85,20 +105,26 @@ def _direction_name(d: str) -> str:
     return "gradient" if d == "grad" else d
 
 
-def _item_stats(rd: RunData, sel: dict[str, Any]) -> tuple[list[float] | None, str]:
+def _item_stats(rd: RunData, sel: dict[str, Any],
+                rank: ranks.QueryRank | None = None) -> tuple[list[float] | None, str]:
     """Statistics of the selected batch item from its stored full values (the recorder's own
     definitions), or None and why not: no item selected, or the stored values are not the
-    item's exact values (cut to their first elements, or float32 copies of float64)."""
+    item's exact values (cut to their first elements, or float32 copies of float64).
+    rank: of a distributed run, the item is one of that rank's (the global batch's and
+    all ranks': rank 0's, as the values chart)."""
     _, sample = _view_of(sel.get("batch") or "mean")
     if sample is None:
         return None, ""
+    if rank == ranks.ALL:
+        return None, f"item {sample}'s statistics: choose one rank"
     info = rd.tensor_info().get(sel["tensor"], {})
     if "float64" in str(info.get("dtype", "")):
         return None, f"item {sample}'s own statistics not shown: stored as float32"
     with rd.reading() as run:
         try:
             values = run.values(sel["tensor"], sel["step"], view="samples",
-                                iteration=sel["record_iteration"], direction=sel["direction"])
+                                iteration=sel["record_iteration"], direction=sel["direction"],
+                                rank=rank if isinstance(rank, int) else 0)
         except KeyError:
             return None, f"item {sample}'s values not stored"
     if sample >= len(values):
@@ -166,6 +192,8 @@ def values_panel(rd: RunData, sel: dict[str, Any], height: int = 240) -> Figure:
         title = f"{tensor} {label}, batch item {sample} · step {step}{note}"
     else:
         title = f"{tensor} {label}: {view.replace('_', ' ')} · step {step}{note}"
+    if rd.world_size() > 1:  # the values of one rank's micro-batch, not the global batch
+        title += " · rank 0"
     fig = values_figure(np.asarray(values), title)
     # `meta` says what the figure shows: tests and the latency benchmark wait on it
     fig["layout"].update(height=height, meta={"tensor": tensor, "step": step,
@@ -191,26 +219,46 @@ def items_panel(rd: RunData, sel: dict[str, Any]) -> Figure:
              "y": [float(v) if math.isfinite(v) else None for v in values.tolist()],
              "marker": {"color": colours},
              "hovertemplate": "item %{x}: %{y:.4g}<extra></extra>"}]
-    layout = base_layout(f"per batch item: {stat.replace('_', ' ')} over neurons", height=200,
+    of = " · rank 0's items" if rd.world_size() > 1 else ""
+    layout = base_layout(f"per batch item: {stat.replace('_', ' ')} over neurons{of}", height=200,
                          xaxis={"title": {"text": "batch item"}, **integer_axis(len(values))},
                          bargap=0.1)
     return {"data": data, "layout": layout}
 
 
 def history(project: ProjectData, runs: Sequence[str], sel: dict[str, Any],
-            statistic: str, height: int = 260) -> Figure:
+            statistic: str, height: int = 260, rank: str | None = None) -> Figure:
     """`statistic` of the selected tensor record over all recorded steps of the kind, one
-    line per run; one SQL query per run."""
-    traces, absent = [], []
+    line per run (and per rank where `rank` is "all"); one SQL query per run. rank: the
+    rank selector's value, for distributed runs (default: the global batch)."""
+    traces, absent, which, gaps = [], [], set(), []
     for i, name in enumerate(dict.fromkeys(runs)):
-        df = project.run(name).history(sel["tensor"], sel["direction"],
-                                       sel["record_iteration"], sel["kind"])
+        rd = project.run(name)
+        q = ranks.query_rank(rd, rank)
+        if isinstance(q, int) and q not in rd.run.ranks:  # an overlaid run with fewer ranks
+            absent.append(f"{name} (no rank {q})")
+            continue
+        df = rd.history(sel["tensor"], sel["direction"], sel["record_iteration"], sel["kind"],
+                        "merged" if q is None else q)
         if df.empty:
             absent.append(name)
             continue
-        traces.append(line_trace(name, df["step"], df[statistic], i))
+        if q is not None:
+            which.add(q)
+            notes = [ranks.merged_gap(rd, df[[statistic]], q)]
+            if q == "merged":
+                notes.append(ranks.unbatched_note(rd, sel["tensor"], lambda rd=rd: rd.history(
+                    sel["tensor"], sel["direction"], sel["record_iteration"], sel["kind"],
+                    ranks.ALL)))
+            gaps += [f"{name}: {n}" for n in notes if n]
+        parts = ranks.split_ranks(df, q) if q is not None else [("", df)]
+        for suffix, part in parts:  # a run keeps its colour unless it is split by rank
+            traces.append(line_trace(name + suffix, part["step"], part[statistic],
+                                     i if len(parts) == 1 else len(traces)))
     label = "gradient" if sel["direction"] == "grad" else sel["direction"]
     title = f"{statistic} of {sel['tensor']} ({label}) over steps · kind {sel['kind']}"
+    if which:
+        title += " · " + ", ".join(sorted(ranks.rank_label(q) for q in which))
     if not traces:
         return message_figure(f"{sel['tensor']} ({label}) is not recorded in "
                               f"{', '.join(absent)}", title, height=height)
@@ -218,6 +266,7 @@ def history(project: ProjectData, runs: Sequence[str], sel: dict[str, Any],
                          showlegend=len(traces) > 1,
                          meta={"tensor": sel["tensor"], "direction": sel["direction"],
                                "statistic": statistic, "runs": [t["name"] for t in traces]})
-    if absent:
-        layout["annotations"] = [note("not recorded in " + ", ".join(absent))]
+    remarks = [*(["not recorded in " + ", ".join(absent)] if absent else []), *gaps]
+    if remarks:
+        layout["annotations"] = [note("; ".join(remarks))]
     return {"data": traces, "layout": layout}

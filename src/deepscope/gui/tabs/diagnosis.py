@@ -76,6 +76,7 @@ def _findings(run: str, found: Any) -> list[Any]:
     if found.empty:
         return [head, html.P(f"No anomalies recorded in {run}.", className="hint")]
     cols = ["step", "kind", "tensor", "detector", "value", "threshold", "message"]
+    cols = ["rank", *cols] if "rank" in found else cols  # a distributed run: every rank's
     return [head, list_table(cols, [
         [html.Td(panels.fmt(v) if isinstance(v, float) else v) for v in row]
         for row in found[cols].itertuples(index=False)])]

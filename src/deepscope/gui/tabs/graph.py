@@ -17,7 +17,7 @@ import dash_cytoscape as cyto
 from dash import ALL, Input, Output, State, ctx, dcc, html
 
 from ...store.schema import STAT_COLUMNS
-from .. import graph_view, ids, panels
+from .. import graph_view, ids, panels, ranks
 from ..data import LRU, ProjectData, RunData, fingerprint
 from ..guard import contained, describe, error_box, error_figure, guard, report
 from ..selection import Request, nearest_index, resolve
@@ -48,6 +48,7 @@ def layout(_run_options: list[dict[str, str]]) -> html.Div:
             style={"width": "100%", "height": "46vh"}, minZoom=0.1, maxZoom=3,
             autoRefreshLayout=False, autounselectify=True, responsive=True,
             className="graph"),
+        ranks.graph_warning(),
         html.Div(id="legend", className="legend"),
         html.Details([html.Summary("All nodes (keyboard access)"),
                       html.Div(id="node-list", className="node-list")],
@@ -114,12 +115,14 @@ def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
 
     @app.callback(*[Output(i, p) for i, p in _CONTROLS], Output(ids.SEL, "data"),
                   Output("controls-sent", "data"), *_RECORD_OUTPUTS, *inputs,
-                  State(ids.SEL, "data"), State("controls-sent", "data"))
+                  State(ids.SEL, "data"), State("controls-sent", "data"),
+                  State(ids.RANK, "value"))
     def _resolve(run: str | None, kind: str | None, iteration: int | None,
                  direction: str | None, batch: str | None, node: str | None,
                  tensor: str | None, slider: int | None, _prev: Any, _next: Any,
                  tap: dict | None, _buttons: list, click: dict | None, _v: Any,
-                 _diagnoses: list, previous: dict | None, sent: dict | None) -> tuple:
+                 _diagnoses: list, previous: dict | None, sent: dict | None,
+                 rank: str | None) -> tuple:
         trigger, picked_node, picked_step = _trigger(tap, click)
         if trigger is None and previous is not None and ctx.triggered_id is not None:
             raise dash.exceptions.PreventUpdate  # a node-list button appeared, not clicked
@@ -161,7 +164,19 @@ def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
         data = sel.as_dict()
         if data == previous:
             return (*out, dash.no_update, sent, *[dash.no_update] * len(_RECORD_OUTPUTS))
-        return (*out, data, sent, *record_panels(project, data))
+        return (*out, data, sent, *record_panels(project, data, rank))
+
+    @app.callback(Output("nonfinite-banner", "children", allow_duplicate=True),
+                  Output("stats-table", "children", allow_duplicate=True),
+                  Input(ids.RANK, "value"), State(ids.SEL, "data"), State(ids.RUN, "value"),
+                  prevent_initial_call=True)
+    def _rank_changed(rank: str | None, sel: dict | None, run: str | None) -> tuple:
+        """The selected record's statistics again when the rank changes (a distributed run's
+        rank selector; `_resolve` draws them on every other change, and on a run change)."""
+        if not sel or sel.get("empty") or not sel.get("tensor") or sel["run"] != run:
+            raise dash.exceptions.PreventUpdate
+        return contained(lambda: panels.stats_table(project.run(sel["run"]), sel, rank),
+                         lambda msg: (None, error_box(msg)), "statistics table")
 
 
 # The record's own panels come back with the selection itself: one round trip per click.
@@ -169,14 +184,15 @@ _RECORD_OUTPUTS = (Output("nonfinite-banner", "children"), Output("stats-table",
                    Output("values-chart", "figure"), Output("items-chart", "figure"))
 
 
-def record_panels(project: ProjectData, sel: dict[str, Any]) -> tuple:
+def record_panels(project: ProjectData, sel: dict[str, Any], rank: str | None = None) -> tuple:
     """Banner, statistics table, values chart and per-item chart of the selected record;
-    each computed on its own, so an error stays in its panel."""
+    each computed on its own, so an error stays in its panel. rank: the rank selector's
+    value (distributed runs; see `panels.stats_table`)."""
     if sel.get("empty") or not sel.get("tensor"):
         hint = html.P("No recorded tensor to show yet.", className="hint")
         return None, hint, dash.no_update, dash.no_update
     rd = project.run(sel["run"])
-    banner, table = contained(lambda: panels.stats_table(rd, sel),
+    banner, table = contained(lambda: panels.stats_table(rd, sel, rank),
                               lambda msg: (None, error_box(msg)), "statistics table")
     values = contained(lambda: panels.values_panel(rd, sel),
                        lambda msg: error_figure(msg, "values", 240), "values chart")
@@ -371,19 +387,20 @@ def _register_outputs(app: dash.Dash, project: ProjectData) -> None:
     @app.callback(Output("over-steps", "figure"), Output("over-steps-key", "data"),
                   Input(ids.SEL, "data"), Input(ids.STATISTIC, "value"),
                   Input("overlay", "value"), Input(ids.VERSION, "data"),
-                  State("over-steps-key", "data"))
+                  Input(ids.RANK, "value"), State("over-steps-key", "data"))
     @guard(lambda msg: (error_figure(msg, "over steps"), None))
     def _history(sel: dict | None, statistic: str | None, overlay: list | None,
-                 versions: dict | None, drawn: str | None) -> tuple:
+                 versions: dict | None, rank: str | None, drawn: str | None) -> tuple:
         if not sel or sel.get("empty") or not sel.get("tensor"):
             raise dash.exceptions.PreventUpdate
         runs = list(dict.fromkeys([sel["run"], *(overlay or [])]))
         statistic = statistic or "norm"
         key = fingerprint([runs, sel["tensor"], sel["direction"], sel["record_iteration"],
-                           sel["kind"], statistic, [(versions or {}).get(r) for r in runs]])
+                           sel["kind"], statistic, [(versions or {}).get(r) for r in runs],
+                           rank])
         if key == drawn:  # only the step moved: the browser moved the marker (above)
             raise dash.exceptions.PreventUpdate
-        return panels.history(project, runs, sel, statistic), key
+        return panels.history(project, runs, sel, statistic, rank=rank), key
 
 
 TAB = Tab("Graph", ids.GRAPH_TAB, layout, register,

@@ -15,7 +15,7 @@ import pandas as pd
 from dash import Input, Output, State, html
 
 from ... import catalogue
-from .. import ids
+from .. import ids, ranks
 from ..axes import series_figure
 from ..data import ProjectData, RunData
 from ..figures import Figure, base_layout, line_trace, message_figure, note
@@ -156,6 +156,8 @@ def section_warnings(rd: RunData) -> list[list[str]]:
     """Per section of SECTIONS: one line for each recording warning of the run that affects
     a quantity drawn there (a warning about no quantity in particular: the first section)."""
     table = rd.cached("warnings", lambda r: r.warnings())
+    if "rank" in table:  # a distributed run: every rank's, each warning once
+        table = ranks.distinct_warnings(table, rd.run.ranks)
     out: list[list[str]] = [[] for _ in SECTIONS]
     for row in table.itertuples(index=False):
         step = "" if row.step is None or row.step != row.step else f"step {int(row.step)} · "
@@ -196,6 +198,7 @@ def layout(_run_options: list[dict[str, str]]) -> html.Div:
                   html.Span("Per-layer values where the instrument records them; "
                             "a quantity the run did not record says 'not tracked'.",
                             className="hint")], className="toolbar card"),
+        ranks.strip(),
         *sections,
     ], className="instruments")
 

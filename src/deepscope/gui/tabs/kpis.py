@@ -10,7 +10,7 @@ from typing import Any
 import dash
 from dash import Input, Output, dcc, html
 
-from .. import ids
+from .. import ids, ranks
 from ..data import ProjectData
 from ..figures import SERIES_COLOURS, base_layout, ema, line_trace
 from ..guard import contained, error_box, guard
@@ -36,17 +36,35 @@ def layout(run_options: list[dict[str, str]]) -> html.Div:
     ], className="kpis")
 
 
-def kpi_charts(project: ProjectData, runs: list[str], smoothing: float) -> list[Any]:
-    """One chart per KPI name; each run a faint raw line and a bold smoothed one. A run that
+def run_kpis(project: ProjectData, name: str, rank: str | None) -> list[tuple[str, Any]]:
+    """(legend name, KPI table) of one run: for a distributed run the chosen rank's, or one
+    per rank ("all"); KPIs are logged per rank, so the global choice shows rank 0's (the
+    lowest rank with a file)."""
+    rd = project.run(name)
+    q = ranks.query_rank(rd, rank)
+    if q is None:
+        return [(name, rd.cached("kpis", lambda r: r.kpis()))]
+    present = ranks.rank_info(rd)["ranks"]  # (rank 0's file may be missing)
+    shown = present if q == ranks.ALL else present[:1] if q == "merged" else [q]
+    return [(f"{name} · rank {k}", rd.cached(f"kpis:{k}", lambda r, k=k: r.kpis(rank=k)))
+            for k in shown]
+
+
+def kpi_charts(project: ProjectData, runs: list[str], smoothing: float,
+               rank: str | None = None) -> list[Any]:
+    """One chart per KPI name; each run (each rank of a distributed run where `rank`, the
+    rank selector's value, says "all") a faint raw line and a bold smoothed one. A run that
     cannot be read is named below the charts; the other runs still show."""
     by_name: dict[str, list[dict[str, Any]]] = {}
     problems: list[Any] = []
-    for i, name in enumerate(runs):
-        kpis = contained(lambda name=name: project.run(name).cached("kpis", lambda r: r.kpis()),
-                         lambda msg, name=name: problems.append(error_box(f"{name}: {msg}")),
-                         f"KPIs of {name}")
-        if kpis is None:
-            continue
+    series: list[tuple[str, Any]] = []
+    for name in runs:
+        def failed(msg: str, name: str = name) -> list:
+            problems.append(error_box(f"{name}: {msg}"))
+            return []
+        series += contained(lambda name=name: run_kpis(project, name, rank), failed,
+                            f"KPIs of {name}")
+    for i, (name, kpis) in enumerate(series):
         colour = SERIES_COLOURS[i % len(SERIES_COLOURS)]
         for kpi, g in kpis.groupby("name", sort=True):
             raw = line_trace(f"{name} (raw)", g["step"], g["value"], i)
@@ -70,14 +88,14 @@ def kpi_charts(project: ProjectData, runs: list[str], smoothing: float) -> list[
 def register(app: dash.Dash, project: ProjectData) -> None:
     @app.callback(Output("kpi-charts", "children"), Input(ids.TABS, "value"),
                   Input(RUNS, "value"), Input("kpi-smooth", "value"),
-                  Input(ids.VERSION_SLOW, "data"))
+                  Input(ids.VERSION_SLOW, "data"), Input(ids.RANK, "value"))
     @guard(lambda msg: [error_box(msg)])
     def _kpis(tab: str, runs: list[str] | None, smoothing: float | None,
-              _v: Any) -> list[Any]:
+              _v: Any, rank: str | None) -> list[Any]:
         if tab != VALUE:
             raise dash.exceptions.PreventUpdate
         present = [r for r in runs or [] if r in project.runs()]
-        return kpi_charts(project, present, float(smoothing or 0))
+        return kpi_charts(project, present, float(smoothing or 0), rank)
 
 
 TAB = Tab("KPIs", VALUE, layout, register, run_lists=(RUNS,))
