@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tests.distributed.harness import launch
-from tests.distributed.test_equivalence import _Counter
+from tests.distributed.test_equivalence import _Counter, _data, _model, reference_step
 
 RTOL = 1e-8
 STEPS = 4  # 0, 1, 2 instrumented; 3 only ends step 2's α
@@ -28,22 +28,6 @@ LANCZOS_ITER = 10  # the suite's default
 CURVATURE = ("HessTrace", "TICDiag", "TICTrace", "HessMaxEV")
 # (configuration, curvature=): full with each diagonal estimator, business with "auto"
 SCENARIOS = [("full", "hutchinson"), ("full", "exact"), ("business", "auto")]
-
-
-def _model(kind: str) -> nn.Module:
-    torch.manual_seed(0)
-    if kind == "mlp":
-        model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
-    else:
-        model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(48, 3))
-    return model.double()
-
-
-def _data(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 + step)
-    shape = (2 * PER_RANK, 5) if kind == "mlp" else (2 * PER_RANK, 1, 6, 6)
-    return torch.randn(shape, generator=gen, dtype=torch.float64), torch.randint(
-        0, 3, (2 * PER_RANK,), generator=gen)
 
 
 def _run(rank: int, root, kind: str, quantities, curvature: str,
@@ -73,7 +57,7 @@ def _run(rank: int, root, kind: str, quantities, curvature: str,
     lo = PER_RANK * rank
     want, calls = [], []
     for step in range(steps):
-        x, y = _data(kind, step)
+        x, y = _data(kind, step, 2 * PER_RANK)
         before = shim.calls
         with scope.step(step) as rec:
             losses = nn.functional.cross_entropy(ddp(x[lo:lo + PER_RANK]),
@@ -88,19 +72,7 @@ def _run(rank: int, root, kind: str, quantities, curvature: str,
             ref = Instruments(reference, quantities, schedule=schedule, optimizer=ref_opt,
                               names=ModelNames.of(reference), **{
                                   **options, "curvature": chosen[0] if chosen else curvature})
-        on = ref.wants(step, "default")
-        if on:
-            ref.start(step, "default")
-        reference.zero_grad()
-        losses = nn.functional.cross_entropy(reference(x), y, reduction="none")
-        if on:
-            ref.loss(losses.mean(), per_sample=losses)
-        losses.mean().backward()
-        with torch.no_grad():  # the update DDP applied
-            for p, q in zip(reference.parameters(), model.parameters()):
-                p.copy_(q)
-        if on:
-            want += ref.finish()
+        want += reference_step(ref, reference, model, x, y, step, "default")
     scope.close()
     out: dict = {"calls": calls}
     if rank == 0:
