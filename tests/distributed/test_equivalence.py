@@ -90,6 +90,25 @@ def _compare(got: list, want: list) -> dict[str, float]:
     return errors
 
 
+def reference_step(ref, reference: nn.Module, model: nn.Module, x: torch.Tensor,
+                   y: torch.Tensor, step: int, kind: str) -> list:
+    """The reference's step on the whole global batch (x, y), at the parameters the DDP
+    `model` had before its update; then `reference` takes that update. Returns `ref`'s
+    values ([] on a step its schedule skips)."""
+    on = ref.wants(step, kind)
+    if on:
+        ref.start(step, kind)
+    reference.zero_grad()
+    losses = nn.functional.cross_entropy(reference(x), y, reduction="none")
+    if on:
+        ref.loss(losses.mean(), per_sample=losses)
+    losses.mean().backward()
+    with torch.no_grad():  # the update DDP applied
+        for p, q in zip(reference.parameters(), model.parameters()):
+            p.copy_(q)
+    return ref.finish() if on else []
+
+
 def _run(rank: int, world: int, kind: str, optim: str, sizes: list[int],
          micro: int = 1, hist_range: tuple[float, float] | str = (-2.0, 2.0),
          clip: float | None = None) -> dict:
@@ -143,17 +162,7 @@ def _run(rank: int, world: int, kind: str, optim: str, sizes: list[int],
         opt.step()
         got = inst.finish() if on else []
         calls.append(counter.calls - before)
-        if on:
-            ref.start(step, "train")
-        reference.zero_grad()
-        losses = nn.functional.cross_entropy(reference(x), y, reduction="none")
-        if on:
-            ref.loss(losses.mean(), per_sample=losses)
-        losses.mean().backward()
-        with torch.no_grad():  # the update DDP applied
-            for p, q in zip(reference.parameters(), model.parameters()):
-                p.copy_(q)
-        want = ref.finish() if on else []
+        want = reference_step(ref, reference, model, x, y, step, "train")
         for name, err in _compare(got, want).items():
             errors[name] = max(errors.get(name, 0.0), err)
         local = {(v.name, v.layer): v.value for v in got if v.local}

@@ -63,9 +63,12 @@ def batch(rank: int, step: int, size: int = 6):
 
 
 def train_step(scope, ddp, opt, rank: int, step: int, *, nan_at: tuple[int, int] | None = None,
-               size: int = 6, record_input: bool = False, stall: float = 0.0) -> int:
+               size: int = 6, record_input: bool = False, stall: float = 0.0,
+               told_nan_at: tuple[int, int] | None = None) -> int:
     """One DDP step inside `scope.step(step)`; returns the collectives it cost. stall:
-    seconds to wait after the update, before the step's end (deepscope's collectives)."""
+    seconds to wait after the update, before the step's end (deepscope's collectives).
+    told_nan_at: (rank, step) where the loss told to the recorder is NaN, not the one
+    trained on (a finding on the rank's own loss alone)."""
     x, y = batch(rank, step, size)
     if nan_at == (rank, step):
         x[0, 0] = float("nan")
@@ -75,7 +78,10 @@ def train_step(scope, ddp, opt, rank: int, step: int, *, nan_at: tuple[int, int]
         if record_input:
             rec.tensor("x", x, role="input")
         losses = ((ddp(x) - y) ** 2).mean(1)
-        rec.loss(losses.mean(), per_sample=losses)
+        if told_nan_at == (rank, step):
+            rec.loss(losses.mean() * float("nan"))
+        else:
+            rec.loss(losses.mean(), per_sample=losses)
         opt.zero_grad()
         losses.mean().backward()
         opt.step()
@@ -151,15 +157,31 @@ def scope_scenarios(rank: int, world: int, out_dir: str) -> dict:
                     for s in range(12)]
     scope.close()
 
-    # 1b. The same with the gradients checked on every step
-    scope = Scope(root, "grad_every_step")
+    # 1b. A NaN in rank 1's own loss only (the gradients stay finite): reported, not followed
+    scope = Scope(root, "own_loss")
     ddp, opt = ddp_mlp()
     scope.watch(ddp)
-    scope.monitor.grad_every = 1
+    out["grad_every"] = scope.monitor.grad_every
+    for s in range(12):
+        train_step(scope, ddp, opt, rank, s, told_nan_at=(1, 4))
+    scope.close()
+    own = deepscope.open_run(root / "own_loss")
+    out["own_loss_steps"] = own.steps(rank=rank)
+    found = own.anomalies(rank=rank)
+    out["own_loss_nonfinite"] = found[found.detector == "nonfinite"][
+        ["step", "tensor", "message"]].values.tolist()
+
+    # 1c. The user checks gradients every 10th step: rank 1 finds it at step 4 (its loss),
+    # rank 0 at step 5 (its loss, the parameters non-finite); only step 10's check, which
+    # every rank makes, starts the recording (the same steps on every rank)
+    scope = Scope(root, "grad_every_10")
+    ddp, opt = ddp_mlp()
+    scope.watch(ddp)
+    scope.monitor.grad_every = 10
     for s in range(12):
         train_step(scope, ddp, opt, rank, s, nan_at=(1, 4))
     scope.close()
-    out["every_step_steps"] = deepscope.open_run(root / "grad_every_step").steps(rank=rank)
+    out["every_10_steps"] = deepscope.open_run(root / "grad_every_10").steps(rank=rank)
 
     # 2. Dynamic recording (a tentative step on every rank, kept where rank 1 wants it).
     ddp, opt = ddp_mlp()
@@ -220,6 +242,7 @@ def scope_scenarios(rank: int, world: int, out_dir: str) -> dict:
 
     run = deepscope.open_run(root / "defaults")
     out["defaults_steps"] = run.steps(rank=rank)
+    out["defaults_status"] = run.rank_status()[["rank", "status", "steps"]].values.tolist()
     # 5. (last: the ranks' group counters differ after it) A Scope on rank 0 only
     if rank == 0:
         try:
@@ -278,17 +301,28 @@ def test_a_nan_on_one_rank_is_found_and_named_with_its_rank(scenarios):
     (step, tensor, message), = results[1]["defaults_nonfinite"]
     assert (step, tensor) == (4, "loss")
     assert message.startswith("rank 1: first non-finite value of step 4: the loss loss is nan")
-    # DDP's averaged gradient carries it to rank 0: found there (at step 5, dated step 4)
-    # and said under rank 0, naming the gradient
+    # DDP's averaged gradient carries it to rank 0, which checks the gradients on every step
+    # in a distributed run: found there in step 4 too, said under rank 0, naming the gradient
     (step, tensor, message), = results[0]["defaults_nonfinite"]
     assert step == 4 and tensor == "2.weight"
     assert message.startswith("rank 0: first non-finite gradient of step 4")
-    # each rank records the record_next=3 steps after it learnt of it
-    assert results[1]["defaults_steps"] == [0, 5, 6, 7, 10]
-    assert results[0]["defaults_steps"] == [0, 6, 7, 8, 10]
-    # with gradients checked on every step, rank 0 finds it in step 4 too: the same steps
+
+
+def test_record_next_records_the_same_steps_on_every_rank(scenarios):
+    _, results = scenarios
     for r in results:
-        assert r["every_step_steps"] == [0, 5, 6, 7, 10]
+        assert r["grad_every"] == 1  # the distributed default (10 in a single process)
+        # the non-finite synced gradient of step 4: record_next=3 steps after it, everywhere
+        assert r["defaults_steps"] == [0, 5, 6, 7, 10]
+        assert r["defaults_status"] == [[0, "finished", 5], [1, "finished", 5]]
+        # a NaN in rank 1's own loss alone is reported there but moves no schedule
+        assert r["own_loss_steps"] == [0, 10]
+        # gradients checked every 10th step (set by the user): the first check every rank
+        # makes (step 10) starts the recording on every rank alike
+        assert r["every_10_steps"] == [0, 10, 11]
+    (step, tensor, message), = results[1]["own_loss_nonfinite"]
+    assert (step, tensor) == (4, "loss") and message.startswith("rank 1: ")
+    assert results[0]["own_loss_nonfinite"] == []
 
 
 def test_dynamic_keep_is_agreed_with_one_flag_per_dynamic_step(scenarios):

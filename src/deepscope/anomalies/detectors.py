@@ -69,13 +69,17 @@ class Detector:
 
     name: the detector's name (custom detectors report under it). acute: the finding detector
     names that make the recorder record the next steps in full. every_step: run on every
-    step, not only on detector steps. observes_outputs: receive `observe` calls.
+    step, not only on detector steps. observes_outputs: receive `observe` calls. shared: its
+    findings rest on values the same on every rank of a DDP job (the averaged gradients, the
+    parameters), so in a distributed run its acute findings still start `record_next`
+    (default False: a custom detector's findings are reported there, not followed).
     """
 
     name: ClassVar[str] = "detector"
     acute: ClassVar[frozenset[str]] = frozenset()
     every_step: ClassVar[bool] = False
     observes_outputs: ClassVar[bool] = False
+    shared: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._active: set[Hashable] = set()
@@ -148,6 +152,7 @@ class GradientNorm(Detector):
 
     name = "gradient_norm"
     acute = frozenset({"exploding_gradient"})
+    shared = True  # .grad after DDP's all-reduce
 
     def __init__(self, explode: float = 10.0, vanish: float = 0.01, window: int = 20,
                  min_history: int = 5) -> None:

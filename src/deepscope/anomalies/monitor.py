@@ -102,13 +102,20 @@ class HealthMonitor:
     step, when its update makes the next step's loss non-finite (see the module docstring);
     one that is never applied (a skipped update) is found only if it is still non-finite at
     the next checked step.
+    distributed: the ranks of a DDP job must record the same steps, so `record_next` follows
+    evidence that is the same on every rank only: a non-finite gradient (after DDP's
+    all-reduce) on a step every rank checks gradients on (every grad_every-th step, detector
+    steps, every step with the trace or deferred; not a step checked because this rank's
+    own loss was non-finite), and acute findings of `shared` detectors (the gradient norm's).
+    A finding on the rank's own loss or activations alone is reported, not followed.
     """
 
     def __init__(self, model: nn.Module, *, prefix: str = "", root_name: str = "model",
                  names: ModelNames | None = None,
                  record_next: int = 3, detectors: Sequence[Detector] | None = None,
                  detector_every: int = 10, on_anomaly: Callable[[Finding], None] | None = None,
-                 trace: bool = True, defer: bool | None = None, grad_every: int = 1) -> None:
+                 trace: bool = True, defer: bool | None = None, grad_every: int = 1,
+                 distributed: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"HealthMonitor needs a torch.nn.Module, got {type(model).__name__}")
         if isinstance(record_next, bool) or not isinstance(record_next, int) or record_next < 0:
@@ -127,6 +134,9 @@ class HealthMonitor:
         self.model = _map_model(model, names or ModelNames.of(model, prefix, root_name))
         self._tracer = Tracer(self.model, self._grad_is_finite)
         self._acute = frozenset({"nonfinite"}).union(*(d.acute for d in self.detectors))
+        self.distributed = distributed
+        self._shared_acute = frozenset().union(*(d.acute for d in self.detectors if d.shared))
+        self._shared_nonfinite = False  # in an episode of non-finite synced gradients
         self._params = {name: p for name, p, _ in self.model.params}
         devices = {p.device for p in self._params.values()}
         self._device = min(devices, key=str) if devices else torch.device("cpu")
@@ -193,7 +203,8 @@ class HealthMonitor:
         # The loss is checked on every step, gradients every grad_every steps and on detector
         # steps; with the trace, or deferred (the loss cannot be read before the update), on
         # every step.
-        rec.check_grads = grads_due or detect or bool(self._handles) or self._defer
+        rec.check_grads = rec.shared_check = (grads_due or detect or bool(self._handles)
+                                              or self._defer)
         for d in due:
             self._guard(rec, d.begin, rec.ctx)
         if rec.observers:
@@ -520,8 +531,21 @@ class HealthMonitor:
             self._broken(rec, exc)
             return [], 0
         self._notify(findings)
+        if self.distributed:
+            return findings, self._shared_record_next(rec, norms, findings)
         acute = any(f.detector in self._acute for f in findings)
         return findings, self.record_next if acute else 0
+
+    def _shared_record_next(self, rec: StepRecord, norms: list[float],
+                            findings: list[Finding]) -> int:
+        """`record_next` from the evidence every rank has alike (see `distributed`): the
+        first non-finite synced gradient of an episode, or a shared detector's finding."""
+        acute = any(f.detector in self._shared_acute for f in findings)
+        if rec.shared_check:
+            bad = not all(math.isfinite(n) for n in norms)
+            acute = acute or (bad and not self._shared_nonfinite)
+            self._shared_nonfinite = bad
+        return self.record_next if acute else 0
 
     def _before_forward(self, step: int) -> tuple[list[Finding], int]:
         """The loss of `step` is not finite, and the previous step's gradients were not
@@ -564,7 +588,8 @@ class HealthMonitor:
                 f"the gradient that caused it cannot be named ({how})"))
         self._nonfinite = True
         self._notify([origin])
-        return [origin], self.record_next
+        # distributed: found because this rank's loss was non-finite, a rank's own moment
+        return [origin], 0 if self.distributed else self.record_next
 
     def _notify(self, findings: list[Finding]) -> None:
         if self.on_anomaly is None:

@@ -108,6 +108,8 @@ class StepRecord:
     loss: Tensor | None = None
     loss_host: float | None = None  # the loss read at once (CPU): not in the fetched vector
     check_grads: bool = True        # parameter gradients are checked in this step
+    # checked whatever the loss (grad_every, detector step, trace, deferred): on every rank
+    shared_check: bool = True
     broken: bool = False
 
 

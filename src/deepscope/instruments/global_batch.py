@@ -230,11 +230,12 @@ class GlobalStep:
         dots: tuple[Tensor, Tensor] | str | None = None
         if {"InnerTest", "OrthoTest"} & set(self.items) - set(failed):  # same on every rank
             dots = self._dots(reduced, gbatch)
-        curvature = self._curvature(reduced) if "curvature" in self.stats else None
+        curvature, curvature_failed = (self._curvature(reduced) if "curvature" in self.stats
+                                       else ({}, {}))
         out = []
         for item in self.items:
-            if item in failed:
-                out.append(self._missing(item, failed[item]))
+            if item in failed or item in curvature_failed:  # each its own outcome
+                out.append(self._missing(item, failed.get(item) or curvature_failed[item]))
                 continue
             try:
                 out.extend(self._value(item, reduced, gbatch, dots, curvature, bound))
@@ -499,20 +500,25 @@ class GlobalStep:
         sums, squares = reduced2["dots"]
         return sums, squares
 
-    def _curvature(self, reduced: dict[str, Tensor]) -> dict[str, Any] | str:
+    def _curvature(self, reduced: dict[str, Tensor]) -> tuple[dict[str, Any], dict[str, str]]:
         """The curvature runner's values over the global batch (from the summed partial
-        sums, or as the runner left them when it left none), or why not."""
+        sums, or as the runner left them when it left none), and quantity -> why it has
+        none: a failed diagonal fails the quantities that need it only (HessMaxEV's
+        Lanczos does not use it and keeps its value)."""
         partials = {key.split(":", 1)[1]: value for key, value in reduced.items()
                     if key.startswith("partials:")}
         if not partials:
-            return self.state.curvature
+            return self.state.curvature, {}
         try:
-            return self.inst._curvature.finalize(partials, int(reduced["moments"][:, _N].sum()))
+            return self.inst._curvature.finalize(
+                partials, int(reduced["moments"][:, _N].sum())), {}
         except Exception as error:
-            return describe(error)
+            reason = str(error) if isinstance(error, RuntimeError) else describe(error)
+            kept = {k: v for k, v in self.state.curvature.items() if k == "max_ev"}
+            return kept, dict.fromkeys(needing("diagonal"), reason)
 
     def _value(self, item: str, reduced: dict[str, Tensor], gbatch: GlobalBatch | None,
-               dots: tuple[Tensor, Tensor] | str | None, curvature: dict[str, Any] | str | None,
+               dots: tuple[Tensor, Tensor] | str | None, curvature: dict[str, Any],
                bound: float | None) -> list[QuantityValue]:
         state, step = self.state, self.state.step
         moments = reduced["moments"]
@@ -539,10 +545,7 @@ class GlobalStep:
                      ortho_test_of_sums(with_total(gbatch.sq_norm_sums), squares, N, B))
             return rows(item, step, self.names, value, {}, N == 0, ZERO_MEAN,
                         gbatch.unavailable())
-        if isinstance(curvature, str) and "curvature" in NEEDS[item]:
-            raise RuntimeError(curvature)
-        whole = dataclasses.replace(state, loss=loss[0].clone(),
-                                    curvature=curvature if isinstance(curvature, dict) else {})
+        whole = dataclasses.replace(state, loss=loss[0].clone(), curvature=curvature)
         return self.compute[item](self.inst, item, whole, gbatch, self.update)
 
     def _alpha_start(self, size: int, loss: Tensor, moments: Tensor) -> list[QuantityValue]:

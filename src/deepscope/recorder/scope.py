@@ -73,7 +73,8 @@ class Scope:
     exact_views: store per-neuron / per-sample aggregate views as float32 instead of
         bfloat16 (twice the bytes). Statistics and sample values are always exact.
     anomalies: the health check of the watched model. "check" (default): a non-finite loss
-        on every step, gradients every 10th step (with a loss on the CPU; else every step),
+        on every step, gradients every 10th step (with a loss on the CPU; else, and in a
+        distributed run, every step: see docs/distributed.md),
         the first non-finite gradient named — also when it was on an unchecked step whose
         update made the next loss non-finite (`scope.monitor.grad_every = 1` checks every
         step) — plus the gradient / loss / activation detectors every 10 steps; "trace":
@@ -317,7 +318,8 @@ class Scope:
         if self._anomalies and self.monitor is None:
             self.monitor = HealthMonitor(model, names=names, record_next=self._record_next,
                                          trace=self._anomalies == "trace",
-                                         grad_every=CHECK_GRADS_EVERY)
+                                         grad_every=CHECK_GRADS_EVERY if self.reducer is None
+                                         else 1, distributed=self.reducer is not None)
         if optimizer is not None:
             self._optimizer = optimizer
         if self._instrument_spec is not None and self.instruments is None:
