@@ -183,7 +183,19 @@ def noisy_batch(ev: Evidence) -> list[Diagnosis]:
 def missing_zero_grad(ev: Evidence) -> list[Diagnosis]:
     """Gradients accumulating across steps: the step taken per unit of batch gradient
     (UpdateSize / GradNorm) is several times what it was at the first instrumented step,
-    when nothing had accumulated yet (for plain SGD it is the learning rate)."""
+    when nothing had accumulated yet (for plain SGD it is the learning rate).
+
+    With momentum μ a healthy step grows up to 1/(1 − μ) times the first, so the threshold
+    grows with it; adaptive optimisers (Adam, ...) take steps that do not scale with ‖g‖, so
+    the check does not apply to them (the run's meta "optimizer" says which was used)."""
+    settings = ev.run.meta(ev.rank).get("optimizer")
+    settings = settings if isinstance(settings, dict) else {}
+    if settings and settings.get("type") != "SGD":
+        ev.need(("missing_zero_grad",), f"SGD steps ({settings.get('type')}'s steps do not "
+                "scale with the gradient norm)", "a run trained with SGD")
+        return []
+    momentum = float(settings.get("momentum") or 0.0)
+    threshold = ZERO_GRAD_GROWTH / (1.0 - momentum) if momentum < 1 else float("inf")
     upd, grad = ev.quantity("UpdateSize"), ev.quantity("GradNorm")
     both = pd.concat([upd, grad], axis=1, join="inner").dropna()
     both = both[both.iloc[:, 1] > 0]
@@ -194,10 +206,11 @@ def missing_zero_grad(ev: Evidence) -> list[Diagnosis]:
         return []
     eff = (both.iloc[:, 0] / both.iloc[:, 1]).to_numpy()
     growth = float(np.median(eff[1:]) / eff[0]) if eff[0] > 0 else 0.0
-    if growth < ZERO_GRAD_GROWTH:
+    if growth < threshold:
         return []
     return [Diagnosis(
-        "missing_zero_grad", ramp(growth, ZERO_GRAD_GROWTH, 10, 0.55, 0.9),
+        "missing_zero_grad", ramp(growth, threshold, 10 * threshold / ZERO_GRAD_GROWTH,
+                                  0.55, 0.9),
         int(both.index[1]), "model",
         f"the step per unit gradient ‖Δθ‖/‖g‖ is {fmt(growth)}× its value at the first "
         f"instrumented step ({fmt(float(eff[0]))} → median {fmt(float(np.median(eff[1:])))}): "

@@ -322,6 +322,8 @@ class Scope:
                                          else 1, distributed=self.reducer is not None)
         if optimizer is not None:
             self._optimizer = optimizer
+            # what the diagnosis needs to read ‖Δθ‖/‖g‖ (momentum, adaptive steps)
+            self.writer.submit_meta({"optimizer": optimizer_settings(optimizer)})
         if self._instrument_spec is not None and self.instruments is None:
             from ..instruments.suite import Instruments  # loads only for a Scope with instruments
             # reducer: the global batch's values (rank-identical schedule, see step())
@@ -614,6 +616,20 @@ class _Failed:
 
 
 _FAILED = _Failed()
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimiser's class and its first parameter group's scalar settings (lr, momentum,
+    betas, weight_decay, ...), as stored in the run's meta "optimizer"."""
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    settings: dict[str, Any] = {"type": type(optimizer).__name__}
+    for key, value in group.items():
+        if isinstance(value, bool | int | float) or (
+                isinstance(value, tuple) and all(isinstance(v, int | float) for v in value)):
+            settings[key] = value
+        elif isinstance(value, torch.Tensor) and value.numel() == 1:
+            settings[key] = float(value.detach().cpu())  # a tensor lr (read once, here)
+    return settings
 
 
 def interrupted_status(error: BaseException) -> str:
