@@ -47,7 +47,16 @@ import deepscope
 
 LEVELS = ("economy", "business", "full")
 CONFIGS = ("plain", "floor", *LEVELS)
-VOCAB, SEQ = 2048, 64
+# (vocabulary, tokens per sample, width, GPT-2 layers, batch scale); --quick: tiny sizes
+SIZES = {False: (2048, 64, 128, 4, 1), True: (64, 8, 16, 1, 4)}
+VOCAB, SEQ, WIDTH, LAYERS, SHRINK = SIZES[False]
+
+
+def use_sizes(quick: bool) -> None:
+    """Switch the models to the full or the --quick sizes (before building them)."""
+    global VOCAB, SEQ, WIDTH, LAYERS, SHRINK
+    VOCAB, SEQ, WIDTH, LAYERS, SHRINK = SIZES[quick]
+
 Batch = tuple[Tensor, Tensor]
 LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]  # (model, x, y) -> (B,) losses
 
@@ -56,7 +65,7 @@ LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]  # (model, x, y) -> (B,) 
 def _gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=128, n_layer=4, n_head=4,
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH, n_layer=LAYERS, n_head=4,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                         eos_token_id=0)
     return GPT2LMHeadModel(config)
@@ -91,9 +100,9 @@ class LSTMLM(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, 128)
-        self.lstm = nn.LSTM(128, 256, batch_first=True)
-        self.head = nn.Linear(256, VOCAB)
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.lstm = nn.LSTM(WIDTH, 2 * WIDTH, batch_first=True)
+        self.head = nn.Linear(2 * WIDTH, VOCAB)
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.head(self.lstm(self.embed(ids))[0])
@@ -115,7 +124,9 @@ def _tokens(batch: int, gen: torch.Generator) -> Batch:
 
 
 def _images(batch: int, gen: torch.Generator) -> Batch:
-    return torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(10, (batch,), generator=gen)
+    side = 32 // SHRINK
+    return (torch.randn(batch, 3, side, side, generator=gen),
+            torch.randint(10, (batch,), generator=gen))
 
 
 # name -> (builder, batch size, batch maker, per-sample losses, title)
@@ -211,6 +222,7 @@ def largest_module_grads(model: nn.Module, batch: int) -> int:
 def measure(name: str, repeats: int, block: int, warmup: int, configs: tuple[str, ...],
             memory: bool) -> dict:
     build, batch, make, losses_of, title = MODELS[name]
+    batch //= SHRINK
     torch.manual_seed(0)
     model = build()
     if name == "cnn":
@@ -276,11 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument("--no-memory", action="store_true", help="skip the memory step")
     parser.add_argument("--quick", action="store_true",
-                        help="harness check: 1 round of 1 step, 1 warm-up, no memory")
+                        help="harness check: tiny models, 1 round of 1 step, no memory")
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.block, args.warmup, args.no_memory = 1, 1, 1, True
     configs = tuple(c for c in CONFIGS if c in args.configs or c == "plain")
+    use_sizes(args.quick)
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     result = measure(args.model, args.repeats, args.block, args.warmup, configs,

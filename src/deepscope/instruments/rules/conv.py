@@ -34,23 +34,33 @@ def _pads(module: nn.modules.conv._ConvNd) -> list[int]:
 def unfold(x: Tensor, module: nn.modules.conv._ConvNd) -> Tensor:
     """Input patches (b, groups, L, C_in/groups · ∏kernel) of a conv, L output positions.
 
-    The patch layout matches the weight (C_out, C_in/groups, *kernel) flattened per group.
+    The patch layout matches the weight (C_in/groups, *kernel) flattened per group. Conv1d /
+    Conv2d: im2col (`F.unfold`), a transposed view of its result; Conv3d: strided views
+    gathered by one copy.
     """
     n = len(module.kernel_size)
     mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
     pads = _pads(module)
     if any(pads):
         x = F.pad(x, pads, mode=mode)
+    b = x.shape[0]
+    if n <= 2:
+        one = (1,) * (2 - n)  # Conv1d as a Conv2d of height 1
+        cols = F.unfold(x.reshape(*x.shape[:2], *one, *x.shape[2:]),
+                        one + module.kernel_size, dilation=one + module.dilation,
+                        stride=one + module.stride)
+        return cols.view(b, module.groups, -1, cols.shape[-1]).transpose(2, 3)
     for j, (k, s, d) in enumerate(zip(module.kernel_size, module.stride, module.dilation)):
         # sliding windows of span d(k-1)+1, then every d-th element: dilation for free
         x = x.unfold(2 + j, d * (k - 1) + 1, s)
         if d > 1:
             x = x[..., ::d]
-    b, channels = x.shape[:2]
+    channels = x.shape[1]
     positions = math.prod(x.shape[2 : 2 + n])
     # (b, C, O₁…Oₙ, k₁…kₙ) -> (b, O₁…Oₙ, C, k₁…kₙ) -> (b, groups, L, C/groups·∏k)
     x = x.permute(0, *range(2, 2 + n), 1, *range(2 + n, 2 + 2 * n))
-    x = x.reshape(b, positions, module.groups, -1)
+    x = x.reshape(b, positions, module.groups, channels // module.groups * math.prod(
+        module.kernel_size))
     return x.transpose(1, 2)
 
 
@@ -79,6 +89,26 @@ class ConvRule(Rule):
             return (px[0], pg[0]) if len(px) == 1 else (torch.cat(px, 2), torch.cat(pg, 2))
 
         in_per_group = module.in_channels // groups * math.prod(module.kernel_size)
+        conv = (F.conv1d, F.conv2d, F.conv3d)[n - 1]
+        pads = _pads(module)
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+
+        def products(lo: int, hi: int, weights: list[Tensor], absolute: bool
+                     ) -> tuple[list[Tensor], Tensor]:
+            # the conv itself with each weight: no patches formed
+            ins = [x[lo:hi].to(dtype) for x in xs]
+            ins = [F.pad(x, pads, mode=mode) if any(pads) else x for x in ins]
+            ins = [x.abs() for x in ins] if absolute else ins
+            out = []
+            for w in weights:  # (groups, Oₖ, I) -> (groups·Oₖ, C_in/groups, *kernel)
+                kernel = w.reshape(-1, module.in_channels // groups, *module.kernel_size)
+                ys = [conv(x, kernel, None, module.stride, 0, module.dilation, groups)
+                      for x in ins]
+                ys = [y.reshape(y.shape[0], groups, w.shape[1], -1) for y in ys]
+                out.append((ys[0] if len(ys) == 1 else torch.cat(ys, 3)).transpose(2, 3))
+            pg = [g[lo:hi].transpose(-1, -2) for g in gs]
+            return out, pg[0] if len(pg) == 1 else torch.cat(pg, 2)
+
         return OuterProductGrads(
             patches,
             (groups, positions, in_per_group, module.out_channels // groups),
@@ -87,4 +117,5 @@ class ConvRule(Rule):
             dtype,
             ctx,
             step=ctx.chunk_size,  # unfolded patches are ∏kernel times the input: chunk them
+            products=products,
         )

@@ -27,6 +27,9 @@ from .base import (
 )
 
 Patches = Callable[[int, int], tuple[Tensor, Tensor]]
+# (lo, hi, weights (groups, Oₖ, I) each, absolute) -> ([Σᵢ w[γ, :, i]·x[b, γ, t, i] as
+# (b, groups, T, Oₖ) per weight, with |x| when absolute], G (b, groups, T, O))
+Products = Callable[[int, int, list[Tensor], bool], tuple[list[Tensor], Tensor]]
 
 
 class OuterProductGrads(ModuleGrads):
@@ -38,7 +41,9 @@ class OuterProductGrads(ModuleGrads):
     group, as Hugging Face's Conv1D stores it); the bias (groups·O,).
     `step`: samples per call of `patches` in the passes that need no per-sample gradients
     (the whole batch when the patches are views of stored tensors: chunking would only
-    add per-call overhead).
+    add per-call overhead). `products`: the patches times weights without forming the
+    patches (a conv's own kernel), for the passes that need only those; default: from the
+    patches.
     """
 
     def __init__(
@@ -51,9 +56,11 @@ class OuterProductGrads(ModuleGrads):
         ctx: Context,
         step: int,
         transposed: bool = False,
+        products: Products | None = None,
     ) -> None:
         super().__init__(shapes, dtype, ctx)
         self.patches = patches
+        self.products = products or self._patch_products
         self.step = step
         self.transposed = transposed
         self.groups, self.T, self.I, self.O = dims
@@ -61,6 +68,12 @@ class OuterProductGrads(ModuleGrads):
         self._sq: dict[str, Tensor] | None = None
         self._sum: dict[str, Tensor] | None = None
         self._m2: dict[str, Tensor] | None = None
+
+    def _patch_products(self, lo: int, hi: int, weights: list[Tensor], absolute: bool
+                        ) -> tuple[list[Tensor], Tensor]:
+        x, g = self.patches(lo, hi)
+        x = x.abs() if absolute else x
+        return [torch.einsum("bgti,goi->bgto", x, w) for w in weights], g
 
     def _weight_shaped(self, w: Tensor) -> Tensor:
         """(*lead, groups, O, I) -> (*lead, *weight shape)."""
@@ -141,14 +154,19 @@ class OuterProductGrads(ModuleGrads):
         r = _probe(self.I, self.dtype, candidate.device) if candidate is not None else None
         sums: dict[str, Tensor] = {}
         for lo in range(0, self.ctx.batch_size, self.step):
-            x, g = self.patches(lo, min(lo + self.step, self.ctx.batch_size))
+            hi = min(lo + self.step, self.ctx.batch_size)
             part: dict[str, Tensor] = {}
+            if r is not None:  # Σᵢ gᵢ r = Σ g (x·r), and its bound Σ |g| (|x|·|r|)
+                probe = r.expand(self.groups, 1, self.I)
+                (xr,), g = self.products(lo, hi, [probe], False)
+                (xr_abs,), _ = self.products(lo, hi, [probe.abs()], True)
+                part["u"] = torch.einsum("bgto,bgt->go", g, xr[..., 0])
+                part["e"] = torch.einsum("bgto,bgt->go", g.abs(), xr_abs[..., 0])
+            else:
+                x, g = self.patches(lo, hi)
             if self.bias:
                 part[self.bias] = g.sum((0, 2))
-            if r is not None:  # Σᵢ gᵢ r = Σ g (x·r), and its bound Σ |g| (|x|·|r|)
-                part["u"] = torch.einsum("bgto,bgt->go", g, x @ r)
-                part["e"] = torch.einsum("bgto,bgt->go", g.abs(), x.abs() @ r.abs())
-            elif self.weight:
+            if r is None and self.weight:
                 part[self.weight] = self._weight_shaped(torch.einsum("bgto,bgti->goi", g, x))
             for n, s in part.items():
                 sums[n] = sums[n] + s if n in sums else s
@@ -189,9 +207,9 @@ class OuterProductGrads(ModuleGrads):
               if self.bias and self.bias in vs]
         parts: dict[str, list[Tensor]] = {}
         for lo in range(0, self.ctx.batch_size, self.step):
-            x, g = self.patches(lo, min(lo + self.step, self.ctx.batch_size))
+            through, g = self.products(lo, min(lo + self.step, self.ctx.batch_size), ws, False)
             if ws:
-                dots = [(torch.einsum("bgti,goi->bgto", x, w) * g).sum((1, 2, 3)) for w in ws]
+                dots = [(xw * g).sum((1, 2, 3)) for xw in through]
                 parts.setdefault(self.weight, []).append(torch.stack(dots, 1))
             if bs:
                 summed = g.sum(2)
