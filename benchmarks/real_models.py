@@ -19,7 +19,10 @@ memory layout is the same), with SGD. Configurations:
   economy / business / full   `Scope(schedule=never, instruments=level,
             instrument_schedule=every(1))`, `rec.loss(loss, per_sample=losses)`.
 In each round every configuration runs `--block` steps (order rotating between rounds); a
-configuration's ratio is its median step over plain's median step of the same round. Prints
+configuration's ratio is its median step over plain's median step of the same round. Steps
+are timed in CPU seconds of this process (`time.process_time`, all its threads: deepscope's
+writer too), which other processes on a shared machine disturb far less than wall time
+(torch runs on one thread, so on an idle machine the two agree). Prints
 one JSON line: {"group", "rows": [{"label", "ms", "ratios", "floor_ratios"}], "memory"}.
 The memory entry: peak bytes allocated above the start of one step (torch profiler, CPU), of
 plain training and of each instrumented step (including `finish`), and the bytes of the
@@ -254,9 +257,9 @@ def measure(name: str, repeats: int, block: int, warmup: int, configs: tuple[str
                     spent = []
                     for _ in range(block):
                         x, y = batches[done % len(batches)]
-                        start = time.perf_counter()
+                        start = time.process_time()
                         steps[c](x, y)
-                        spent.append(time.perf_counter() - start)
+                        spent.append(time.process_time() - start)
                         done += 1
                     times[c].append(statistics.median(spent))
                 order = order[1:] + order[:1]

@@ -228,7 +228,8 @@ def floor_target(limit: float) -> Target:
 
 REAL_MODEL_NOTE = (
     "`benchmarks/real_models.py`: every configuration trains its own copy of the model sharing "
-    "the parameters, in turns of 3 steps, order rotating; × plain / × floor: median over the "
+    "the parameters, in turns of 3 steps, order rotating, timed in CPU seconds of the process; "
+    "× plain / × floor: median over the "
     "rounds of the ratio to the step measured in the same round (brackets: lowest and highest "
     "round). Floor: a plain step plus every per-sample gradient materialised by "
     "`torch.func.vmap(torch.func.grad)`. Memory: peak bytes torch allocated in one step above "

@@ -99,6 +99,16 @@ class OuterProductGrads(ModuleGrads):
             out[self.bias] = g.sum(2).reshape(hi - lo, *self.shapes[self.bias])
         return out
 
+    def _sweep_cheaper(self, vector_sets: Sequence[dict[str, Tensor]]) -> bool:
+        """Whether materialising gᵢ once (which also gives the norms, the sums and the
+        second moments) is cheaper than a product with the patches per vector: several
+        positions, products from the patches (a conv's own kernel is faster), and either
+        several vectors or norms that would need a materialising sweep anyway."""
+        if self.T == 1 or self.products != self._patch_products or self._fused is not None:
+            return False
+        vectors = sum(1 for vs in vector_sets if self.weight and self.weight in vs)
+        return vectors > 1 or (vectors == 1 and not self._gram_cheaper())
+
     def _gram_cheaper(self) -> bool:
         # per sample and group: Gram costs T²(I+O) multiply-adds, materialising T·I·O
         return self.T * (self.I + self.O) < self.I * self.O
@@ -197,7 +207,7 @@ class OuterProductGrads(ModuleGrads):
         return self._m2
 
     def dots(self, vector_sets: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
-        if self._kept is not None:
+        if self._kept is not None or self._sweep_cheaper(vector_sets):
             return super().dots(vector_sets)
         groups, O = self.groups, self.O
         # gᵢ·V = Σₜ gₜᵀ V xₜ: one product per vector, every vector from the same patches
