@@ -18,6 +18,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+# Most elements of per-sample gradients materialised at once: chunks of up to `chunk_size`
+# samples are cut smaller for large layers, so that the allocator reuses one chunk's memory
+# for the next (on the CPU a fresh mapping per chunk page-faults on every first touch)
+CHUNK_ELEMENTS = 1 << 21
+
+
+def samples_per_chunk(chunk_size: int, elements: int) -> int:
+    """Samples per materialised chunk: at most `chunk_size`, and at most `CHUNK_ELEMENTS`
+    elements of `elements` per sample (at least one sample)."""
+    return max(1, min(chunk_size, CHUNK_ELEMENTS // max(elements, 1)))
+
 
 class Unsupported(Exception):
     """Raised by a rule when a call cannot be split into per-sample gradients.
@@ -195,7 +206,8 @@ class ModuleGrads:
         if self._kept is not None:
             yield self._kept
             return
-        size = self.ctx.chunk_size
+        size = samples_per_chunk(self.ctx.chunk_size,
+                                 sum(shape.numel() for shape in self.shapes.values()))
         for lo in range(0, self.ctx.batch_size, size):
             yield self.per_sample(lo, min(lo + size, self.ctx.batch_size))
 
