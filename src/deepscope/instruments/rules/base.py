@@ -206,10 +206,13 @@ class ModuleGrads:
         if self._kept is not None:
             yield self._kept
             return
-        size = samples_per_chunk(self.ctx.chunk_size,
-                                 sum(shape.numel() for shape in self.shapes.values()))
+        size = samples_per_chunk(self.ctx.chunk_size, self._elements_per_sample())
         for lo in range(0, self.ctx.batch_size, size):
             yield self.per_sample(lo, min(lo + size, self.ctx.batch_size))
+
+    def _elements_per_sample(self) -> int:
+        """Elements one sample's gradients take to materialise (and what they are made of)."""
+        return sum(shape.numel() for shape in self.shapes.values())
 
     def _fused_pass(self, vector_sets: Sequence[dict[str, Tensor]] = ()
                     ) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:

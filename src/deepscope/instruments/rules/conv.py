@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Call, Context, ModuleGrads, Rule, Unsupported, first_input
+from .base import Call, Context, ModuleGrads, Rule, Unsupported, first_input, samples_per_chunk
 from .linear import OuterProductGrads, weight_and_bias
 
 
@@ -31,6 +31,25 @@ def _pads(module: nn.modules.conv._ConvNd) -> list[int]:
     return [p for pair in reversed(per_dim) for p in pair]
 
 
+def _own_padding(module: nn.modules.conv._ConvNd) -> tuple[int, ...] | None:
+    """The per-dim zero padding a conv / im2col call can apply itself (no padded copy of the
+    input), or None when F.pad must (other modes, an asymmetric 'same')."""
+    pads = _pads(module)
+    left, right = pads[0::2], pads[1::2]
+    if module.padding_mode != "zeros" or left != right:
+        return None
+    return tuple(reversed(left))
+
+
+def _padded(x: Tensor, module: nn.modules.conv._ConvNd) -> tuple[Tensor, tuple[int, ...]]:
+    """(x, padding left for the conv / im2col call): padded here only when it must be."""
+    own = _own_padding(module)
+    if own is not None:
+        return x, own
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    return F.pad(x, _pads(module), mode=mode), (0,) * len(module.kernel_size)
+
+
 def unfold(x: Tensor, module: nn.modules.conv._ConvNd) -> Tensor:
     """Input patches (b, groups, L, C_in/groups · ∏kernel) of a conv, L output positions.
 
@@ -39,17 +58,19 @@ def unfold(x: Tensor, module: nn.modules.conv._ConvNd) -> Tensor:
     gathered by one copy.
     """
     n = len(module.kernel_size)
+    b = x.shape[0]
+    if n <= 2:
+        x, padding = _padded(x, module)
+        one = (1,) * (2 - n)  # Conv1d as a Conv2d of height 1
+        zero = (0,) * (2 - n)
+        cols = F.unfold(x.reshape(*x.shape[:2], *one, *x.shape[2:]),
+                        one + module.kernel_size, dilation=one + module.dilation,
+                        padding=zero + padding, stride=one + module.stride)
+        return cols.view(b, module.groups, -1, cols.shape[-1]).transpose(2, 3)
     mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
     pads = _pads(module)
     if any(pads):
         x = F.pad(x, pads, mode=mode)
-    b = x.shape[0]
-    if n <= 2:
-        one = (1,) * (2 - n)  # Conv1d as a Conv2d of height 1
-        cols = F.unfold(x.reshape(*x.shape[:2], *one, *x.shape[2:]),
-                        one + module.kernel_size, dilation=one + module.dilation,
-                        stride=one + module.stride)
-        return cols.view(b, module.groups, -1, cols.shape[-1]).transpose(2, 3)
     for j, (k, s, d) in enumerate(zip(module.kernel_size, module.stride, module.dilation)):
         # sliding windows of span d(k-1)+1, then every d-th element: dilation for free
         x = x.unfold(2 + j, d * (k - 1) + 1, s)
@@ -90,20 +111,17 @@ class ConvRule(Rule):
 
         in_per_group = module.in_channels // groups * math.prod(module.kernel_size)
         conv = (F.conv1d, F.conv2d, F.conv3d)[n - 1]
-        pads = _pads(module)
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
 
         def products(lo: int, hi: int, weights: list[Tensor], absolute: bool
                      ) -> tuple[list[Tensor], Tensor]:
             # the conv itself with each weight: no patches formed
-            ins = [x[lo:hi].to(dtype) for x in xs]
-            ins = [F.pad(x, pads, mode=mode) if any(pads) else x for x in ins]
-            ins = [x.abs() for x in ins] if absolute else ins
+            ins = [_padded(x[lo:hi].to(dtype), module) for x in xs]
+            ins = [(x.abs(), pad) for x, pad in ins] if absolute else ins
             out = []
             for w in weights:  # (groups, Oₖ, I) -> (groups·Oₖ, C_in/groups, *kernel)
                 kernel = w.reshape(-1, module.in_channels // groups, *module.kernel_size)
-                ys = [conv(x, kernel, None, module.stride, 0, module.dilation, groups)
-                      for x in ins]
+                ys = [conv(x, kernel, None, module.stride, pad, module.dilation, groups)
+                      for x, pad in ins]
                 ys = [y.reshape(y.shape[0], groups, w.shape[1], -1) for y in ys]
                 out.append((ys[0] if len(ys) == 1 else torch.cat(ys, 3)).transpose(2, 3))
             pg = [g[lo:hi].transpose(-1, -2) for g in gs]
@@ -116,6 +134,7 @@ class ConvRule(Rule):
             {name: p.shape for name, p in self.params.items()},
             dtype,
             ctx,
-            step=ctx.chunk_size,  # unfolded patches are ∏kernel times the input: chunk them
+            # unfolded patches are ∏kernel times the input: chunk them
+            step=samples_per_chunk(ctx.chunk_size, groups * positions * in_per_group),
             products=products,
         )

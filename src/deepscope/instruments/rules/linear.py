@@ -69,6 +69,9 @@ class OuterProductGrads(ModuleGrads):
         self._sum: dict[str, Tensor] | None = None
         self._m2: dict[str, Tensor] | None = None
 
+    def _elements_per_sample(self) -> int:
+        return super()._elements_per_sample() + self.groups * self.T * self.I  # + patches
+
     def _patch_products(self, lo: int, hi: int, weights: list[Tensor], absolute: bool
                         ) -> tuple[list[Tensor], Tensor]:
         x, g = self.patches(lo, hi)
