@@ -2,7 +2,9 @@
 
 Supports any stride, dilation, groups, numeric or 'same'/'valid' padding and every
 padding mode. The patches of the input are unfolded chunk by chunk (never the whole
-batch at once) because they are kernel-size times larger than the input.
+batch at once) because they are kernel-size times larger than the input; most passes need
+none: per-sample weight gradients come from the conv's own weight-gradient kernel (the
+samples as groups of one conv), products with vectors from the conv itself.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class ConvRule(Rule):
         dtype = next(iter(self.params.values())).dtype
         groups = module.groups
         xs, gs = [], []
+        outs = []  # each call's scaled output gradient (B, C_out, *out)
         for call in calls:
             x = first_input(call)
             if x.dim() != n + 2:
@@ -101,6 +104,7 @@ class ConvRule(Rule):
             g = self._grad(call, ctx, dtype)
             # (B, C_out, *out) -> (B, groups, L, C_out/groups)
             gs.append(g.reshape(g.shape[0], groups, module.out_channels // groups, -1))
+            outs.append(g)
             xs.append(x)
         positions = sum(g.shape[-1] for g in gs)
 
@@ -127,6 +131,24 @@ class ConvRule(Rule):
             pg = [g[lo:hi].transpose(-1, -2) for g in gs]
             return out, pg[0] if len(pg) == 1 else torch.cat(pg, 2)
 
+        def weight_grads(lo: int, hi: int, per_sample: bool) -> Tensor:
+            # the conv's weight-gradient kernel; per sample: the samples as groups of one conv
+            total = None
+            for x, g in zip(xs, outs):
+                x, padding = _padded(x[lo:hi].to(dtype), module)
+                b = x.shape[0] if per_sample else 1
+                weight = x.new_empty(b * module.out_channels, module.in_channels // groups,
+                                     *module.kernel_size)  # only its shape is read
+                grad = torch.ops.aten.convolution_backward(
+                    g[lo:hi].reshape(-1, b * module.out_channels, *g.shape[2:]),
+                    x.reshape(-1, b * module.in_channels, *x.shape[2:]), weight,
+                    None, module.stride, padding, module.dilation, False, (0,) * n,
+                    b * groups, (False, True, False))[1]
+                if per_sample:
+                    grad = grad.view(b, *self.params["weight"].shape)
+                total = grad if total is None else total + grad
+            return total
+
         return OuterProductGrads(
             patches,
             (groups, positions, in_per_group, module.out_channels // groups),
@@ -137,4 +159,5 @@ class ConvRule(Rule):
             # unfolded patches are ∏kernel times the input: chunk them
             step=samples_per_chunk(ctx.chunk_size, groups * positions * in_per_group),
             products=products,
+            weight_grads=weight_grads if "weight" in self.params else None,
         )

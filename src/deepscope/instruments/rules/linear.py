@@ -43,7 +43,9 @@ class OuterProductGrads(ModuleGrads):
     (the whole batch when the patches are views of stored tensors: chunking would only
     add per-call overhead). `products`: the patches times weights without forming the
     patches (a conv's own kernel), for the passes that need only those; default: from the
-    patches.
+    patches. `weight_grads(lo, hi, per_sample)`: the weight's per-sample gradients
+    (hi - lo, *shape), or their sum, by a faster route than the patches (a conv's
+    weight-gradient kernel); default: from the patches.
     """
 
     def __init__(
@@ -57,10 +59,12 @@ class OuterProductGrads(ModuleGrads):
         step: int,
         transposed: bool = False,
         products: Products | None = None,
+        weight_grads: Callable[[int, int, bool], Tensor] | None = None,
     ) -> None:
         super().__init__(shapes, dtype, ctx)
         self.patches = patches
         self.products = products or self._patch_products
+        self.weight_grads = weight_grads
         self.step = step
         self.transposed = transposed
         self.groups, self.T, self.I, self.O = dims
@@ -70,7 +74,8 @@ class OuterProductGrads(ModuleGrads):
         self._m2: dict[str, Tensor] | None = None
 
     def _elements_per_sample(self) -> int:
-        return super()._elements_per_sample() + self.groups * self.T * self.I  # + patches
+        patches = self.groups * self.T * self.I if self.weight_grads is None else 0
+        return super()._elements_per_sample() + patches
 
     def _patch_products(self, lo: int, hi: int, weights: list[Tensor], absolute: bool
                         ) -> tuple[list[Tensor], Tensor]:
@@ -92,6 +97,12 @@ class OuterProductGrads(ModuleGrads):
         return v.reshape(self.groups, self.O, self.I)
 
     def per_sample(self, lo: int, hi: int) -> dict[str, Tensor]:
+        if self.weight_grads is not None:
+            _, g = self.products(lo, hi, [], False)
+            out = {self.weight: self.weight_grads(lo, hi, True)} if self.weight else {}
+            if self.bias:
+                out[self.bias] = g.sum(2).reshape(hi - lo, *self.shapes[self.bias])
+            return out
         x, g = self.patches(lo, hi)
         out = {}
         if self.weight:
@@ -153,6 +164,13 @@ class OuterProductGrads(ModuleGrads):
             return self._sum
         if self._fused is not None or self._kept is not None:
             self._sum = self._fused_pass()[1]
+            return self._sum
+        if self.weight_grads is not None:  # exact and as cheap as checking a candidate
+            _, g = self.products(0, self.ctx.batch_size, [], False)
+            sums = {self.bias: g.sum((0, 2))} if self.bias else {}
+            if self.weight:
+                sums[self.weight] = self.weight_grads(0, self.ctx.batch_size, False)
+            self._sum = {n: s.reshape(self.shapes[n]) for n, s in sums.items()}
             return self._sum
         candidate = (observed or {}).get(self.weight) if self.weight else None
         sums = self._sums_and_check(candidate)
