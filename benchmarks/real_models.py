@@ -5,7 +5,7 @@ economy / business / full, taking turns in one process.
 
 Models (realistic small sizes, random weights, nothing downloaded):
   gpt2  Hugging Face GPT-2 from a config: 4 layers, d=128, 4 heads, vocabulary 2048, tied
-        embeddings; next-token loss over T=64 tokens, B=16.
+        embeddings, eager attention; next-token loss over T=64 tokens, B=16.
   cnn   a ResNet-style CNN (CIFAR ResNet-20 widths 16-32-64, 3 stages of 1 BasicBlock) on
         32×32 images, B=32; BatchNorm in eval mode (per-sample gradients exist only then).
   lstm  an LSTM language model: Embedding(2048, 128), LSTM(128, 256), Linear(256, 2048),
@@ -71,6 +71,9 @@ def _gpt2() -> nn.Module:
     config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH, n_layer=LAYERS, n_head=4,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                         eos_token_id=0)
+    # eager attention: sdpa's CPU kernel has no second derivative (curvature would be
+    # missing, see docs/LIMITATIONS.md); every configuration runs the same model
+    config._attn_implementation = "eager"
     return GPT2LMHeadModel(config)
 
 
