@@ -10,10 +10,11 @@ import torch
 from torch import Tensor, nn
 
 from deepscope.instruments.histograms import Bins, histogram_1d, histogram_2d
-from deepscope.instruments.rules import Conv1DRule, LSTMRule, rule_for
+from deepscope.instruments.rules import Conv1DRule, LSTMRule, base, rule_for
 
 from . import reference as R
 from .test_engine import B, ce, check_all, rand, reference, run_engine
+from .test_engine import cases as engine_cases
 
 
 class DeepLSTM(nn.Module):
@@ -78,3 +79,14 @@ def test_histograms_of_closed_forms_count_every_per_sample_element(case: str) ->
                                    ((-1.0, 1.0), (-0.3, 0.3)))
         np.testing.assert_array_equal(histogram_2d(theta, parts, param_bins, grad_bins).counts,
                                       counts_2d)
+
+
+@pytest.mark.parametrize("case", ["shared", "sequence", "cnn"])
+def test_chunks_cut_to_the_element_cap_give_the_same_statistics(monkeypatch, case: str) -> None:
+    # a cap of 40 elements: every large layer's chunks hold one or a few samples
+    monkeypatch.setattr(base, "CHUNK_ELEMENTS", 40)
+    model, inputs, target, loss = engine_cases()[case]()
+    model = model.double()
+    ref = reference(model, inputs, target, loss)
+    engine = run_engine(model, inputs, target, loss, "mean", cache_bytes=0)
+    check_all(engine, ref, dots_first=False)
