@@ -115,10 +115,9 @@ class OuterProductGrads(ModuleGrads):
 
     def _sweep_cheaper(self, vector_sets: Sequence[dict[str, Tensor]]) -> bool:
         """Whether materialising gᵢ once (which also gives the norms, the sums and the
-        second moments) is cheaper than a product with the patches per vector: several
-        positions, products from the patches (a conv's own kernel is faster), and either
+        second moments) is cheaper than a product per vector: several positions, and either
         several vectors or norms that would need a materialising sweep anyway."""
-        if self.T == 1 or self.products != self._patch_products or self._fused is not None:
+        if self.T == 1 or self._fused is not None:
             return False
         vectors = sum(1 for vs in vector_sets if self.weight and self.weight in vs)
         return vectors > 1 or (vectors == 1 and not self._gram_cheaper())
