@@ -13,6 +13,11 @@ from one process to the next, more than the smallest targets allow. A configurat
 fails is recorded as "error: <one line>" and the run goes on. `--quick` takes a few steps,
 one repeat, shares one process per environment (so its times and memory mean nothing) and
 skips the peers when `.venv-peers` is missing.
+
+Script groups (`SCRIPT_GROUPS`, protocol in `ScriptGroup`) are measured by a script of their
+own that takes turns between its configurations in one process (the real models of
+`real_models.py`, ...). `--check` exits with status 1 when a target is missed by more than
+the measured spread: for a ratio, when even the most favourable repeat misses it.
 """
 
 from __future__ import annotations
@@ -208,6 +213,60 @@ GROUPS: tuple[Group, ...] = (
 
 
 @dataclass(frozen=True)
+class ScriptGroup:
+    """A group measured by its own script, in one process, ratios from paired turns.
+
+    Protocol: `python benchmarks/<script> *args --repeats N [--quick]` (run from the
+    repository root with `src` on PYTHONPATH and one torch thread) prints one JSON line
+    {"rows": [{"label": str, "ms": float, "ratios": [one per repeat],
+    "floor_ratios": [one per repeat, optional]}], "memory": {optional: name -> bytes}}. Row 0
+    is the baseline (ratio 1). `--quick` must finish in seconds (sizes are then free).
+    targets: (row label, Target) with metric "ratio" (× the baseline) or "floor_ratio".
+    """
+
+    name: str
+    title: str
+    script: str
+    args: tuple[str, ...] = ()
+    targets: tuple[tuple[str, Target], ...] = ()
+    note: str = ""
+    min_repeats: int = 5
+
+
+def floor_target(limit: float) -> Target:
+    """ms/step at most `limit` times the floor's (plain step + vmap(grad) per-sample grads)."""
+    return Target(f"≤ {limit:g}× floor", "floor_ratio", limit)
+
+
+REAL_MODEL_NOTE = (
+    "`benchmarks/real_models.py`: every configuration trains its own copy of the model sharing "
+    "the parameters, in turns of 3 steps, order rotating, timed in CPU seconds of the process; "
+    "× plain / × floor: median over the "
+    "rounds of the ratio to the step measured in the same round (brackets: lowest and highest "
+    "round). Floor: a plain step plus every per-sample gradient materialised by "
+    "`torch.func.vmap(torch.func.grad)`. Memory: peak bytes torch allocated in one step above "
+    "its start (CPU profiler), with the largest module's per-sample gradients (B × its "
+    "parameters) for the target plain + that.")
+
+
+def real_model_group(model: str, title: str) -> ScriptGroup:
+    """A real model with issue #19's targets: economy ≤ 4×, full ≤ 25× plain, economy
+    within 1.5× of the floor."""
+    return ScriptGroup(f"real-{model}", title, "real_models.py", (model,), (
+        ("economy", ratio_target(4)), ("economy", floor_target(1.5)),
+        ("full", ratio_target(25))), REAL_MODEL_NOTE)
+
+
+# Groups measured by their own script: one line each.
+SCRIPT_GROUPS: tuple[ScriptGroup, ...] = (
+    real_model_group("gpt2", "Instruments — GPT-2 (Hugging Face, 4 layers, d=128, vocabulary "
+                     "2048), T=64, B=16"),
+    real_model_group("cnn", "Instruments — ResNet-style CNN (16-32-64), 32×32, B=32"),
+    real_model_group("lstm", "Instruments — LSTM language model (2048 × 128 → 256), T=64, B=16"),
+)
+
+
+@dataclass(frozen=True)
 class Settings:
     """Step counts and mode of one benchmark run (see `parse_args`)."""
 
@@ -343,6 +402,64 @@ def measure_quick(groups: Iterable[Group], settings: Settings,
             for g in groups}
 
 
+def measure_script(group: ScriptGroup, settings: Settings) -> dict[str, Any]:
+    """Run a script group's script once; its JSON record, or {"error": one line}."""
+    repeats = 1 if settings.quick else max(settings.repeats, group.min_repeats)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / group.script), *group.args,
+           "--repeats", str(repeats), *(["--quick"] if settings.quick else [])]
+    env = dict(worker_env(), PYTHONPATH=str(ROOT / "src"))  # this checkout's deepscope
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT,
+                              timeout=settings.timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {settings.timeout_s:g} s"}
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+    return {"error": f"process died (exit {done.returncode}): {tail[:300]}"}
+
+
+def summarize_script(group: ScriptGroup, record: dict[str, Any]) -> dict[str, Any]:
+    """A script group's results entry: rows with medians, spreads and target verdicts."""
+    out: dict[str, Any] = {"name": group.name, "title": group.title, "note": group.note,
+                           "kind": "script", "memory": record.get("memory", {}), "rows": []}
+    if "error" in record:
+        out["error"] = record["error"]
+        return out
+    for row in record["rows"]:
+        summary = {"label": row["label"], "status": "ok", "ms": row["ms"]}
+        for metric, key in (("ratio", "ratios"), ("floor_ratio", "floor_ratios")):
+            values = row.get(key) or []
+            summary[metric] = statistics.median(values) if values else None
+            summary[f"{metric}_range"] = [min(values), max(values)] if values else None
+        summary["targets"] = [target_result(t, summary) for label, t in group.targets
+                              if label == row["label"]]
+        out["rows"].append(summary)
+    return out
+
+
+def check_failures(results: dict[str, Any]) -> list[str]:
+    """The targets missed by more than the measured spread, one line each: a ratio target
+    that even the most favourable repeat misses, any other target missed; and every group
+    that could not be measured."""
+    failures = []
+    for group in results["groups"]:
+        if group.get("error"):
+            failures.append(f"{group['name']}: not measured ({group['error']})")
+        for row in group["rows"]:
+            for t in row.get("targets", []):
+                if row["status"] != "ok" or t["ok"] is None:
+                    continue
+                spread = row.get(f"{t['metric']}_range")
+                best = t["value"] if spread is None else spread[0] if t["upper"] else spread[1]
+                if not Target(t["target"], t["metric"], t["limit"], t["upper"]).check(best):
+                    shown = f" ({fmt(spread[0])}–{fmt(spread[1])})" if spread else ""
+                    failures.append(f"{group['name']} | {row['label']} | {t['target']}: "
+                                    f"measured {fmt(t['value'])}{shown}")
+    return failures
+
+
 def describe(record: dict[str, Any], stat: str) -> str:
     """A progress line for one measurement."""
     if "error" in record:
@@ -401,9 +518,10 @@ def summarize(group: Group, records: Records) -> list[dict[str, Any]]:
 def target_result(target: Target, row: dict[str, Any]) -> dict[str, Any]:
     """A target's verdict on the median, and for ratios whether the repeats agree: on this
     noisy machine a median near the limit can fall either side of it from run to run."""
-    out = {"target": target.label, "metric": target.metric, "value": row.get(target.metric),
+    out = {"target": target.label, "metric": target.metric, "limit": target.limit,
+           "upper": target.upper, "value": row.get(target.metric),
            "ok": target.check(row.get(target.metric))}
-    spread = row.get("ratio_range") if target.metric == "ratio" else None
+    spread = row.get(f"{target.metric}_range")
     if spread is not None and out["ok"] is not None:
         out["repeats_agree"] = {target.check(v) for v in spread} == {out["ok"]}
     return out
@@ -466,12 +584,27 @@ def verdict(ok: bool | None, repeats_agree: bool = True) -> str:
     return shown
 
 
-def fmt_ratio(row: dict[str, Any]) -> str:
+def fmt_ratio(row: dict[str, Any], metric: str = "ratio") -> str:
     """The median ratio, with the lowest and highest repeat when there are several."""
-    spread = row.get("ratio_range")
-    if row.get("ratio") is None or spread is None or spread[0] == spread[1]:
-        return fmt(row.get("ratio"))  # one repeat, or plain training itself
-    return f"{fmt(row['ratio'])} ({fmt(spread[0])}–{fmt(spread[1])})"
+    spread = row.get(f"{metric}_range")
+    if row.get(metric) is None or spread is None or spread[0] == spread[1]:
+        return fmt(row.get(metric))  # one repeat, or plain training itself
+    return f"{fmt(row[metric])} ({fmt(spread[0])}–{fmt(spread[1])})"
+
+
+def script_group_lines(group: dict[str, Any]) -> list[str]:
+    """The table of a script group: ms/step, × plain and × floor per configuration, and
+    the memory it measured."""
+    if group.get("error"):
+        return [f"error: {group['error']}"]
+    lines = ["| configuration | ms/step | × plain | × floor |", "|---|---|---|---|"]
+    lines += [f"| {row['label']} | {fmt(row['ms'])} | {fmt_ratio(row)} | "
+              f"{fmt_ratio(row, 'floor_ratio')} |" for row in group["rows"]]
+    if group.get("memory"):
+        shown = ", ".join(f"{name} {value / 1e6:,.1f} MB" for name, value
+                          in group["memory"].items())
+        lines += ["", f"Peak memory of one step above its start: {shown}."]
+    return lines
 
 
 def render_markdown(results: dict[str, Any]) -> str:
@@ -521,8 +654,8 @@ def render_markdown(results: dict[str, Any]) -> str:
                          fmt_bytes(value) if t["metric"] == "bytes_per_step" else fmt(value))
                 if row["status"] != "ok":
                     shown = "not measured"
-                elif t["metric"] == "ratio":
-                    shown = fmt_ratio(row)
+                elif t["metric"] in ("ratio", "floor_ratio"):
+                    shown = fmt_ratio(row, t["metric"])
                 lines.append(f"| {group['name']} | {row['label']} | {t['target']} | {shown} | "
                              f"{verdict(t['ok'], t.get('repeats_agree', True))} |")
     for group in results["groups"]:
@@ -532,6 +665,9 @@ def render_markdown(results: dict[str, Any]) -> str:
             lines += [f"Measured {measured.get('date')} by `{measured.get('command')}`.", ""]
         if group["note"]:
             lines += [group["note"], ""]
+        if group.get("kind") == "script":
+            lines += script_group_lines(group)
+            continue
         lines += ["| configuration | ms/step | × plain | timed steps | close | peak RSS "
                   "| bytes / stored step | speed-up vs peer | bytes ÷ peer |",
                   "|---|---|---|---|---|---|---|---|---|"]
@@ -567,8 +703,13 @@ def merge_previous(results: dict[str, Any], previous: Path) -> dict[str, Any]:
     for group in kept.values():  # groups from before per-group provenance
         group.setdefault("measured", {k: old.get(k, "") for k in ("command", "date", "note")})
     merged = {**fresh, **kept}
-    results["groups"] = [merged[g.name] for g in GROUPS if g.name in merged]
+    results["groups"] = [merged[name] for name in group_names() if name in merged]
     return results
+
+
+def group_names() -> list[str]:
+    """Every group's name, in the order of the results: `GROUPS`, then `SCRIPT_GROUPS`."""
+    return [g.name for g in (*GROUPS, *SCRIPT_GROUPS)]
 
 
 def command_line(argv: list[str]) -> str:
@@ -588,14 +729,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="a measurement stops timing after this long, with at least 3 "
                              "timed steps; warm-up stops after a quarter of it (default 10)")
     parser.add_argument("--repeats", type=int, help="interleaved repeats (default 3; quick 1)")
-    parser.add_argument("--only", nargs="+", metavar="GROUP", choices=[g.name for g in GROUPS],
-                        help=f"run only these groups: {', '.join(g.name for g in GROUPS)}; "
+    parser.add_argument("--only", nargs="+", metavar="GROUP", choices=group_names(),
+                        help=f"run only these groups: {', '.join(group_names())}; "
                              "the other groups of the results already in --out are kept")
     parser.add_argument("--no-peers", action="store_true", help="do not run comgra and Cockpit")
     parser.add_argument("--out", type=Path,
                         help="results folder (default benchmarks/results; quick: "
                              "benchmarks/results/raw/quick)")
     parser.add_argument("--note", default="", help="free text stored with the results")
+    parser.add_argument("--check", action="store_true",
+                        help="exit with status 1 when a target is missed by more than the "
+                             "measured spread (listed on stderr)")
     parser.add_argument("--timeout", type=float, default=900,
                         help="seconds one measurement may take (default 900)")
     args = parser.parse_args(argv)
@@ -635,6 +779,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(args.steps, args.warmup, args.max_seconds, args.repeats, args.quick,
                         args.timeout)
     groups = [g for g in GROUPS if args.only is None or g.name in args.only]
+    scripted = [g for g in SCRIPT_GROUPS if args.only is None or g.name in args.only]
     info = machine()
     peers = peers_status(args)
     pythons: dict[str, Path | str] = {"plain": Path(sys.executable),
@@ -643,6 +788,11 @@ def main(argv: list[str] | None = None) -> int:
     pythons.update({tool: peers for tool in PEER_TOOLS})
     measure = measure_quick if args.quick else measure_full
     records = measure(groups, settings, pythons)
+    script_results = []
+    for group in scripted:
+        script_results.append(summarize_script(group, measure_script(group, settings)))
+        print(f"{group.name}: {script_results[-1].get('error', 'done')}", file=sys.stderr,
+              flush=True)
     info["load_average_end"] = list(os.getloadavg())
     results = {
         "version": RESULTS_VERSION, "command": command_line(argv),
@@ -653,7 +803,8 @@ def main(argv: list[str] | None = None) -> int:
                      "max_seconds": settings.max_seconds, "repeats": settings.repeats,
                      "quick": settings.quick, "torch_threads": 1},
         "groups": [{"name": g.name, "title": g.title, "note": g.note,
-                    "rows": summarize(g, records[g.name])} for g in groups],
+                    "rows": summarize(g, records[g.name])} for g in groups]
+        + script_results,
     }
     for group in results["groups"]:
         group["measured"] = {k: results[k] for k in ("command", "date", "note")}
@@ -665,6 +816,12 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "results.md").write_text(markdown)
     print(markdown)
     print(f"results in {args.out}", file=sys.stderr)
+    if args.check and not args.quick:
+        now = {g.name for g in (*groups, *scripted)}  # merged groups were checked before
+        failures = check_failures({"groups": [g for g in results["groups"] if g["name"] in now]})
+        for line in failures:
+            print(f"target missed: {line}", file=sys.stderr)
+        return 1 if failures else 0
     return 0
 
 

@@ -36,7 +36,17 @@ def test_quick_benchmark_writes_well_formed_results(tmp_path: Path) -> None:
     assert results["settings"]["torch_threads"] == 1
     for key in ("cpu", "cores", "torch", "python", "load_average_start", "load_average_end"):
         assert key in results["machine"]
-    assert [g["name"] for g in results["groups"]] == [g.name for g in bench.GROUPS]
+    assert [g["name"] for g in results["groups"]] == bench.group_names()
+    scripted = results["groups"][len(bench.GROUPS):]
+    for group, script_group in zip(scripted, bench.SCRIPT_GROUPS):
+        assert "error" not in group, group["error"]
+        rows = group["rows"]
+        assert rows[0]["ratio"] == 1.0 and all(r["ms"] > 0 and r["ratio"] > 0 for r in rows)
+        labels = {r["label"] for r in rows}
+        assert {label for label, _ in script_group.targets} <= labels
+        for row in rows:
+            assert [t["target"] for t in row["targets"]] == [
+                t.label for label, t in script_group.targets if label == row["label"]]
 
     for group, spec_group in zip(results["groups"], bench.GROUPS):
         rows = group["rows"]
@@ -113,3 +123,22 @@ def test_paired_ratios_are_against_their_own_plain_step_and_show_their_spread() 
     assert bench.verdict(False, False) == "✗ (missed) — met in some repeats"
     assert bench.fmt_ratio(row) == (f"{limit * 0.95:.2f} ({limit * 0.9:.2f}–"
                                     f"{limit * 1.2:.2f})")
+
+
+def test_check_fails_only_when_every_repeat_misses_a_target() -> None:
+    bench = load_run_module()
+    group = bench.ScriptGroup("g", "g", "script.py", targets=(
+        ("tool", bench.ratio_target(4)), ("tool", bench.floor_target(1.5))))
+
+    def results(ratios: list[float], floor: list[float]) -> dict:
+        record = {"rows": [{"label": "plain", "ms": 1.0, "ratios": [1.0] * len(ratios)},
+                           {"label": "tool", "ms": 4.0, "ratios": ratios,
+                            "floor_ratios": floor}]}
+        return {"groups": [bench.summarize_script(group, record)]}
+
+    assert bench.check_failures(results([3.0, 4.5, 5.0], [1.2, 1.4, 1.6])) == []
+    failed = bench.check_failures(results([4.2, 4.5, 5.0], [1.6, 1.7, 1.6]))
+    assert failed == ["g | tool | ≤ 4× plain: measured 4.50 (4.20–5.00)",
+                      "g | tool | ≤ 1.5× floor: measured 1.60 (1.60–1.70)"]
+    broken = {"groups": [bench.summarize_script(group, {"error": "process died"})]}
+    assert bench.check_failures(broken) == ["g: not measured (process died)"]

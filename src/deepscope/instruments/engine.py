@@ -50,6 +50,7 @@ from .rules.base import (
     StackedGrads,
     Unsupported,
     map_tensors,
+    samples_per_chunk,
     tensor_leaves,
 )
 
@@ -665,7 +666,8 @@ class PerSampleEngine:
     def _shared_stats(self, name: str, owners: list[tuple[int, str]]) -> dict[str, Tensor]:
         """Statistics of a parameter used by several modules: gᵢ is the sum over them."""
         if name not in self._shared:
-            batch, step = self.batch_size, self.chunk_size
+            batch = self.batch_size
+            step = samples_per_chunk(self.chunk_size, self._params[name].numel())
             sq, total, squares = [], 0, 0
             for lo in range(0, batch, step):
                 hi = min(lo + step, batch)
@@ -800,15 +802,16 @@ class PerSampleEngine:
         done: set[int] = set()
         for name in self.param_names:
             owners = self._owners_of(name)
+            step = samples_per_chunk(self.chunk_size, self._params[name].numel())
             if owners is None or isinstance(owners, str):
                 value = 0.0 if owners is None else math.nan
                 p = self._params[name]
-                for lo in range(0, batch, self.chunk_size):
-                    shape = (min(self.chunk_size, batch - lo), *p.shape)
+                for lo in range(0, batch, step):
+                    shape = (min(step, batch - lo), *p.shape)
                     yield name, torch.full(shape, value, dtype=p.dtype, device=p.device)
             elif len(owners) > 1:  # shared: gᵢ is the sum over the modules using it
-                for lo in range(0, batch, self.chunk_size):
-                    hi = min(lo + self.chunk_size, batch)
+                for lo in range(0, batch, step):
+                    hi = min(lo + step, batch)
                     yield name, sum(built[i].chunk(lo, hi)[local] for i, local in owners)
             elif owners[0][0] not in done:
                 index = owners[0][0]

@@ -1,8 +1,9 @@
 """Registry of per-sample gradient rules, by module type.
 
-`rule_for(module)` picks the rule class for a module: its exact type first, then the
-first registered base class it derives from *without overriding `forward`* (a subclass
-with its own forward computes something else), else the generic rule.
+`rule_for(module)` picks the rule class for a module: its exact type first, then a rule
+for a known type of another library (by its module path and name, so that the library is
+never imported), then the first registered base class it derives from *without overriding
+`forward`* (a subclass with its own forward computes something else), else the generic rule.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from .base import Call, Context, ModuleGrads, Rule, Unsupported
 from .conv import ConvRule
 from .embedding import EmbeddingRule
 from .generic import GenericRule, MultiheadAttentionRule, RNNRule
-from .linear import LinearRule
+from .linear import Conv1DRule, LinearRule
 from .norm import NormRule, rms_norm_type
+from .recurrent import LSTMRule
 
 _REGISTRY: dict[type[nn.Module], type[Rule]] = {
     nn.Linear: LinearRule,
@@ -30,8 +32,12 @@ _REGISTRY: dict[type[nn.Module], type[Rule]] = {
     nn.SyncBatchNorm: NormRule,
     nn.MultiheadAttention: MultiheadAttentionRule,
     nn.RNN: RNNRule,
-    nn.LSTM: RNNRule,
+    nn.LSTM: LSTMRule,
     nn.GRU: RNNRule,
+}
+# (defining module, class name) -> rule, for other libraries' layers
+_BY_NAME: dict[tuple[str, str], type[Rule]] = {
+    ("transformers.pytorch_utils", "Conv1D"): Conv1DRule,
 }
 if rms_norm_type() is not None:
     _REGISTRY[rms_norm_type()] = NormRule
@@ -55,6 +61,8 @@ def rule_for(module: nn.Module) -> type[Rule]:
     kind = type(module)
     if kind in _REGISTRY:
         return _REGISTRY[kind]
+    if (kind.__module__, kind.__name__) in _BY_NAME:
+        return _BY_NAME[(kind.__module__, kind.__name__)]
     for base, rule in _REGISTRY.items():
         if isinstance(module, base) and kind.forward is base.forward:
             return rule
@@ -64,9 +72,11 @@ def rule_for(module: nn.Module) -> type[Rule]:
 __all__ = [
     "Call",
     "Context",
+    "Conv1DRule",
     "ConvRule",
     "EmbeddingRule",
     "GenericRule",
+    "LSTMRule",
     "LinearRule",
     "ModuleGrads",
     "MultiheadAttentionRule",

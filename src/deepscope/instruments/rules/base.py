@@ -18,6 +18,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+# Most elements of per-sample gradients materialised at once: chunks of up to `chunk_size`
+# samples are cut smaller for large layers, so that the allocator reuses one chunk's memory
+# for the next (on the CPU a fresh mapping per chunk page-faults on every first touch)
+CHUNK_ELEMENTS = 1 << 21
+
+
+def samples_per_chunk(chunk_size: int, elements: int) -> int:
+    """Samples per materialised chunk: at most `chunk_size`, and at most `CHUNK_ELEMENTS`
+    elements of `elements` per sample (at least one sample)."""
+    return max(1, min(chunk_size, CHUNK_ELEMENTS // max(elements, 1)))
+
 
 class Unsupported(Exception):
     """Raised by a rule when a call cannot be split into per-sample gradients.
@@ -172,6 +183,7 @@ class ModuleGrads:
         self.dtype = dtype
         self.ctx = ctx
         self._fused: tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]] | None = None
+        self._swept_dots: dict[str, Tensor] = {}
         self._kept: dict[str, Tensor] | None = None
 
     def per_sample(self, lo: int, hi: int) -> dict[str, Tensor]:
@@ -194,29 +206,42 @@ class ModuleGrads:
         if self._kept is not None:
             yield self._kept
             return
-        size = self.ctx.chunk_size
+        size = samples_per_chunk(self.ctx.chunk_size, self._elements_per_sample())
         for lo in range(0, self.ctx.batch_size, size):
             yield self.per_sample(lo, min(lo + size, self.ctx.batch_size))
 
-    def _fused_pass(self) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
-        """(‖gᵢ‖² (B,), Σᵢ gᵢ, Σᵢ gᵢ²) for every parameter, from one materialising sweep."""
+    def _elements_per_sample(self) -> int:
+        """Elements one sample's gradients take to materialise (and what they are made of)."""
+        return sum(shape.numel() for shape in self.shapes.values())
+
+    def _fused_pass(self, vector_sets: Sequence[dict[str, Tensor]] = ()
+                    ) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
+        """(‖gᵢ‖² (B,), Σᵢ gᵢ, Σᵢ gᵢ²) for every parameter, from one materialising sweep;
+        with `vector_sets`, that sweep also takes the dots (`self._swept_dots`, name ->
+        (B, sets holding it) columns)."""
         if self._fused is None:
             keep = self._kept is None and self.ctx.budget.take(self._nbytes())
             sq: dict[str, list[Tensor]] = {name: [] for name in self.shapes}
             total: dict[str, Tensor] = {}
             squares: dict[str, Tensor] = {}
             kept: dict[str, list[Tensor]] = {name: [] for name in self.shapes}
+            stacked = _stacked_vectors(vector_sets)
+            dots: dict[str, list[Tensor]] = {name: [] for name in stacked}
             for chunk in self.chunks():
                 for name, g in chunk.items():
-                    sq[name].append(g.flatten(1).square().sum(1))
+                    if name in stacked:
+                        dots[name].append(g.flatten(1) @ stacked[name])
+                    g2 = g.square()
+                    sq[name].append(g2.flatten(1).sum(1))
                     total[name] = total[name] + g.sum(0) if name in total else g.sum(0)
-                    sq_g = g.square().sum(0)
+                    sq_g = g2.sum(0)
                     squares[name] = squares[name] + sq_g if name in squares else sq_g
                     if keep:
                         kept[name].append(g)
             if keep:
                 self._kept = {name: torch.cat(parts) for name, parts in kept.items()}
             self._fused = ({n: torch.cat(v) for n, v in sq.items()}, total, squares)
+            self._swept_dots = {name: torch.cat(p) for name, p in dots.items()}
         return self._fused
 
     def _nbytes(self) -> int:
@@ -245,12 +270,15 @@ class ModuleGrads:
 
         All sets share one pass over the per-sample gradients.
         """
-        names = {name for vectors in vector_sets for name in vectors}
-        parts: dict[str, list[Tensor]] = {name: [] for name in names}
+        if self._fused is None:  # one sweep for these and the norms and sums, later wanted
+            self._fused_pass(vector_sets)
+            joined, self._swept_dots = self._swept_dots, {}
+            return split_dots(joined, vector_sets)
+        stacked = _stacked_vectors(vector_sets)
+        parts: dict[str, list[Tensor]] = {name: [] for name in stacked}
         for chunk in self.chunks():
-            for name in names:
-                stacked = [vs[name].reshape(-1) for vs in vector_sets if name in vs]
-                parts[name].append(chunk[name].flatten(1) @ torch.stack(stacked, 1))
+            for name, columns in stacked.items():
+                parts[name].append(chunk[name].flatten(1) @ columns)
         joined = {name: torch.cat(p) for name, p in parts.items()}
         return split_dots(joined, vector_sets)
 
@@ -263,6 +291,13 @@ class ModuleGrads:
             for name, g in chunk.items():
                 parts[name].append(g)
         return {name: torch.cat(p) for name, p in parts.items()}
+
+
+def _stacked_vectors(vector_sets: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """name -> (numel, sets holding it): the flat vectors of each name, one column per set."""
+    names = {name for vectors in vector_sets for name in vectors}
+    return {name: torch.stack([vs[name].reshape(-1) for vs in vector_sets if name in vs], 1)
+            for name in names}
 
 
 def split_dots(

@@ -27,6 +27,9 @@ from .base import (
 )
 
 Patches = Callable[[int, int], tuple[Tensor, Tensor]]
+# (lo, hi, weights (groups, Oₖ, I) each, absolute) -> ([Σᵢ w[γ, :, i]·x[b, γ, t, i] as
+# (b, groups, T, Oₖ) per weight, with |x| when absolute], G (b, groups, T, O))
+Products = Callable[[int, int, list[Tensor], bool], tuple[list[Tensor], Tensor]]
 
 
 class OuterProductGrads(ModuleGrads):
@@ -34,10 +37,15 @@ class OuterProductGrads(ModuleGrads):
 
     `patches(lo, hi)` returns the patches of samples lo..hi-1 in the parameters' dtype,
     with G already scaled to gradients of the per-sample losses. The weight is
-    (groups·O, I)-shaped up to a reshape to `shapes[weight]`; the bias (groups·O,).
+    (groups·O, I)-shaped up to a reshape to `shapes[weight]` (`transposed`: (I, O), one
+    group, as Hugging Face's Conv1D stores it); the bias (groups·O,).
     `step`: samples per call of `patches` in the passes that need no per-sample gradients
     (the whole batch when the patches are views of stored tensors: chunking would only
-    add per-call overhead).
+    add per-call overhead). `products`: the patches times weights without forming the
+    patches (a conv's own kernel), for the passes that need only those; default: from the
+    patches. `weight_grads(lo, hi, per_sample)`: the weight's per-sample gradients
+    (hi - lo, *shape), or their sum, by a faster route than the patches (a conv's
+    weight-gradient kernel); default: from the patches.
     """
 
     def __init__(
@@ -49,25 +57,70 @@ class OuterProductGrads(ModuleGrads):
         dtype: torch.dtype,
         ctx: Context,
         step: int,
+        transposed: bool = False,
+        products: Products | None = None,
+        weight_grads: Callable[[int, int, bool], Tensor] | None = None,
     ) -> None:
         super().__init__(shapes, dtype, ctx)
         self.patches = patches
+        self.products = products or self._patch_products
+        self.weight_grads = weight_grads
         self.step = step
+        self.transposed = transposed
         self.groups, self.T, self.I, self.O = dims
         self.weight, self.bias = names
         self._sq: dict[str, Tensor] | None = None
         self._sum: dict[str, Tensor] | None = None
         self._m2: dict[str, Tensor] | None = None
 
+    def _elements_per_sample(self) -> int:
+        patches = self.groups * self.T * self.I if self.weight_grads is None else 0
+        return super()._elements_per_sample() + patches
+
+    def _patch_products(self, lo: int, hi: int, weights: list[Tensor], absolute: bool
+                        ) -> tuple[list[Tensor], Tensor]:
+        x, g = self.patches(lo, hi)
+        x = x.abs() if absolute else x
+        return [torch.einsum("bgti,goi->bgto", x, w) for w in weights], g
+
+    def _weight_shaped(self, w: Tensor) -> Tensor:
+        """(*lead, groups, O, I) -> (*lead, *weight shape)."""
+        lead = w.shape[:-3]
+        if self.transposed:
+            w = w.transpose(-1, -2)
+        return w.reshape(*lead, *self.shapes[self.weight])
+
+    def _weight_goi(self, v: Tensor) -> Tensor:
+        """A weight-shaped tensor as (groups, O, I)."""
+        if self.transposed:
+            return v.reshape(self.I, self.O).T.unsqueeze(0)
+        return v.reshape(self.groups, self.O, self.I)
+
     def per_sample(self, lo: int, hi: int) -> dict[str, Tensor]:
+        if self.weight_grads is not None:
+            _, g = self.products(lo, hi, [], False)
+            out = {self.weight: self.weight_grads(lo, hi, True)} if self.weight else {}
+            if self.bias:
+                out[self.bias] = g.sum(2).reshape(hi - lo, *self.shapes[self.bias])
+            return out
         x, g = self.patches(lo, hi)
         out = {}
         if self.weight:
-            gw = torch.einsum("bgto,bgti->bgoi", g, x)
+            equation = "bgto,bgti->bgio" if self.transposed else "bgto,bgti->bgoi"
+            gw = torch.einsum(equation, g, x)
             out[self.weight] = gw.reshape(hi - lo, *self.shapes[self.weight])
         if self.bias:
             out[self.bias] = g.sum(2).reshape(hi - lo, *self.shapes[self.bias])
         return out
+
+    def _sweep_cheaper(self, vector_sets: Sequence[dict[str, Tensor]]) -> bool:
+        """Whether materialising gᵢ once (which also gives the norms, the sums and the
+        second moments) is cheaper than a product per vector: several positions, and either
+        several vectors or norms that would need a materialising sweep anyway."""
+        if self.T == 1 or self._fused is not None:
+            return False
+        vectors = sum(1 for vs in vector_sets if self.weight and self.weight in vs)
+        return vectors > 1 or (vectors == 1 and not self._gram_cheaper())
 
     def _gram_cheaper(self) -> bool:
         # per sample and group: Gram costs T²(I+O) multiply-adds, materialising T·I·O
@@ -111,6 +164,13 @@ class OuterProductGrads(ModuleGrads):
         if self._fused is not None or self._kept is not None:
             self._sum = self._fused_pass()[1]
             return self._sum
+        if self.weight_grads is not None:  # exact and as cheap as checking a candidate
+            _, g = self.products(0, self.ctx.batch_size, [], False)
+            sums = {self.bias: g.sum((0, 2))} if self.bias else {}
+            if self.weight:
+                sums[self.weight] = self.weight_grads(0, self.ctx.batch_size, False)
+            self._sum = {n: s.reshape(self.shapes[n]) for n, s in sums.items()}
+            return self._sum
         candidate = (observed or {}).get(self.weight) if self.weight else None
         sums = self._sums_and_check(candidate)
         if self.weight and self.weight not in sums:  # no candidate, or it failed the check
@@ -121,27 +181,31 @@ class OuterProductGrads(ModuleGrads):
     def _sums_and_check(self, candidate: Tensor | None) -> dict[str, Tensor]:
         """One pass over the patches for the sums: the bias's always; the weight's is
         `candidate` if it passes the check, absent if it fails, computed if there is none."""
-        groups, O, I = self.groups, self.O, self.I
-        r = _probe(I, self.dtype, candidate.device) if candidate is not None else None
+        r = _probe(self.I, self.dtype, candidate.device) if candidate is not None else None
         sums: dict[str, Tensor] = {}
         for lo in range(0, self.ctx.batch_size, self.step):
-            x, g = self.patches(lo, min(lo + self.step, self.ctx.batch_size))
+            hi = min(lo + self.step, self.ctx.batch_size)
             part: dict[str, Tensor] = {}
+            if r is not None:  # Σᵢ gᵢ r = Σ g (x·r), and its bound Σ |g| (|x|·|r|)
+                probe = r.expand(self.groups, 1, self.I)
+                (xr,), g = self.products(lo, hi, [probe], False)
+                (xr_abs,), _ = self.products(lo, hi, [probe.abs()], True)
+                part["u"] = torch.einsum("bgto,bgt->go", g, xr[..., 0])
+                part["e"] = torch.einsum("bgto,bgt->go", g.abs(), xr_abs[..., 0])
+            else:
+                x, g = self.patches(lo, hi)
             if self.bias:
                 part[self.bias] = g.sum((0, 2))
-            if r is not None:  # Σᵢ gᵢ r = Σ g (x·r), and its bound Σ |g| (|x|·|r|)
-                part["u"] = torch.einsum("bgto,bgt->go", g, x @ r)
-                part["e"] = torch.einsum("bgto,bgt->go", g.abs(), x.abs() @ r.abs())
-            elif self.weight:
-                part[self.weight] = torch.einsum("bgto,bgti->goi", g, x)
+            if r is None and self.weight:
+                part[self.weight] = self._weight_shaped(torch.einsum("bgto,bgti->goi", g, x))
             for n, s in part.items():
                 sums[n] = sums[n] + s if n in sums else s
         if r is not None:
             u, e = sums.pop("u"), sums.pop("e")
-            v = candidate.reshape(groups, O, I) @ r
+            v = self._weight_goi(candidate) @ r
             # both sides round a chain of B·T + I products: |error| ≤ (B·T + I)·ε·e each
             eps = torch.finfo(self.dtype).eps
-            chain = self.ctx.batch_size * self.T + I + 4
+            chain = self.ctx.batch_size * self.T + self.I + 4
             if bool(((u - v).abs() <= 2 * chain * eps * e).all()):
                 sums[self.weight] = candidate
         return sums
@@ -155,7 +219,7 @@ class OuterProductGrads(ModuleGrads):
             self._m2 = {}
             if self.weight:  # Σᵢ (gᵢxᵢᵀ)² = Σᵢ gᵢ² (xᵢ²)ᵀ: one matmul of squares
                 m2 = torch.einsum("bgo,bgi->goi", g2, x[:, :, 0].square())
-                self._m2[self.weight] = m2.reshape(self.shapes[self.weight])
+                self._m2[self.weight] = self._weight_shaped(m2)
             if self.bias:
                 self._m2[self.bias] = g2.sum(0).reshape(self.shapes[self.bias])
         else:
@@ -163,19 +227,19 @@ class OuterProductGrads(ModuleGrads):
         return self._m2
 
     def dots(self, vector_sets: Sequence[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
-        if self._kept is not None:
+        if self._kept is not None or self._sweep_cheaper(vector_sets):
             return super().dots(vector_sets)
-        groups, O, I = self.groups, self.O, self.I
+        groups, O = self.groups, self.O
         # gᵢ·V = Σₜ gₜᵀ V xₜ: one product per vector, every vector from the same patches
-        ws = [vs[self.weight].reshape(groups, O, I) for vs in vector_sets
+        ws = [self._weight_goi(vs[self.weight]) for vs in vector_sets
               if self.weight and self.weight in vs]
         bs = [vs[self.bias].reshape(groups, O) for vs in vector_sets
               if self.bias and self.bias in vs]
         parts: dict[str, list[Tensor]] = {}
         for lo in range(0, self.ctx.batch_size, self.step):
-            x, g = self.patches(lo, min(lo + self.step, self.ctx.batch_size))
+            through, g = self.products(lo, min(lo + self.step, self.ctx.batch_size), ws, False)
             if ws:
-                dots = [(torch.einsum("bgti,goi->bgto", x, w) * g).sum((1, 2, 3)) for w in ws]
+                dots = [(xw * g).sum((1, 2, 3)) for xw in through]
                 parts.setdefault(self.weight, []).append(torch.stack(dots, 1))
             if bs:
                 summed = g.sum(2)
@@ -190,7 +254,8 @@ class OuterProductGrads(ModuleGrads):
         x, g = self.patches(0, self.ctx.batch_size)  # one position: gᵢ = gout ⊗ x
         out: dict[str, Part] = {}
         if self.weight:
-            out[self.weight] = RankOne(g[:, 0, 0], x[:, 0, 0])
+            out[self.weight] = (RankOne(x[:, 0, 0], g[:, 0, 0]) if self.transposed
+                                else RankOne(g[:, 0, 0], x[:, 0, 0]))
         if self.bias:
             out[self.bias] = g[:, 0, 0].reshape(-1, *self.shapes[self.bias])
         yield out
@@ -208,28 +273,45 @@ def _probe(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 class LinearRule(Rule):
     """nn.Linear with inputs (B, …, in): sequence dims are summed per sample."""
 
+    transposed = False  # the weight is (out, in)
+
+    def _features(self) -> tuple[int, int]:
+        """(in features, out features)."""
+        return self.module.in_features, self.module.out_features
+
     def grads(self, calls: list[Call], ctx: Context) -> ModuleGrads:
-        module = self.module
+        n_in, n_out = self._features()
         dtype = next(iter(self.params.values())).dtype
         xs, gs = [], []
         for call in calls:
             x = first_input(call)
             if x.dim() < 2:
                 raise Unsupported("its input is 1-D; give it a batch dimension at dim 0")
-            xs.append(x.to(dtype).reshape(x.shape[0], -1, module.in_features))
-            gs.append(self._grad(call, ctx, dtype).reshape(x.shape[0], -1, module.out_features))
+            xs.append(x.to(dtype).reshape(x.shape[0], -1, n_in))
+            gs.append(self._grad(call, ctx, dtype).reshape(x.shape[0], -1, n_out))
         # (B, 1 group, T, features); concatenating calls along T sums their contributions
         x_all = (xs[0] if len(xs) == 1 else torch.cat(xs, 1)).unsqueeze(1)
         g_all = (gs[0] if len(gs) == 1 else torch.cat(gs, 1)).unsqueeze(1)
         return OuterProductGrads(
             lambda lo, hi: (x_all[lo:hi], g_all[lo:hi]),
-            (1, x_all.shape[2], module.in_features, module.out_features),
+            (1, x_all.shape[2], n_in, n_out),
             weight_and_bias(self.params),
             {n: p.shape for n, p in self.params.items()},
             dtype,
             ctx,
             step=x_all.shape[0],
+            transposed=self.transposed,
         )
+
+
+class Conv1DRule(LinearRule):
+    """Hugging Face's `Conv1D` (transformers.pytorch_utils, GPT-2's projections): a Linear
+    layer whose weight is stored (in, out), y = x @ W + b."""
+
+    transposed = True
+
+    def _features(self) -> tuple[int, int]:
+        return self.module.nx, self.module.nf
 
 
 def weight_and_bias(params: dict) -> tuple[str | None, str | None]:
