@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import QuantityValue, describe
+from .base import QuantityValue
 from .global_batch import _N, LOSS_NEEDS_PER_SAMPLE, GlobalStep, _Pack
 from .quantities import with_total
 from .quantities.norms import squared_norms
@@ -33,6 +33,9 @@ SHARDED_QUANTITIES = frozenset({"Loss", "GradNorm", "Distance", "UpdateSize"})
 NOT_SHARDED = ("needs whole per-sample gradients; not supported for sharded parameters "
                "(FSDP2) yet — see docs/LIMITATIONS.md")
 GRAD_SOURCE = "the FSDP2-reduced .grad shards"
+GRAD_NEEDS_PER_SAMPLE = ("GradNorm of an FSDP2 model needs the per-sample losses on every rank, "
+                         "to check that the ranks' batch sizes are equal: "
+                         "rec.loss(loss, per_sample=losses)")
 _STATS = {"GradNorm": "grad", "Distance": "distance", "UpdateSize": "update"}
 
 
@@ -70,7 +73,8 @@ class ShardedStep(GlobalStep):
             elif item in state.failed:
                 self.local_failed[item] = state.failed[item]
             elif state.losses is None:
-                self.local_failed[item] = LOSS_NEEDS_PER_SAMPLE
+                self.local_failed[item] = (LOSS_NEEDS_PER_SAMPLE if item == "Loss" else
+                                           GRAD_NEEDS_PER_SAMPLE)
             elif item == "GradNorm":
                 self._check_gradient()
 
@@ -95,16 +99,9 @@ class ShardedStep(GlobalStep):
         moments = pack.block("moments", 2)  # samples, Σℓᵢ
         fields = {_STATS[item]: pack.add(_STATS[item], (len(self.names),))
                   for item in self.items if item in _STATS}
-        try:  # whatever fails here, this rank still joins the call (else the others stall)
-            with torch.no_grad():
-                self._fill_shards(moments, fields)
-        except Exception as error:
-            for item in self.items:
-                self.local_failed.setdefault(item, describe(error))
-        for j, item in enumerate(self.items):
-            flags[j] = float(item in self.local_failed)
-        return pack.reduce()
+        return self._reduce(pack, flags, lambda: self._fill_shards(moments, fields))
 
+    @torch.no_grad()
     def _fill_shards(self, moments: Tensor, fields: dict[str, Tensor]) -> None:
         state, params = self.state, self.params
         if state.losses is not None:

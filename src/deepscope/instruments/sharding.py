@@ -15,7 +15,7 @@ import sys
 import torch
 from torch import Tensor, nn
 
-from ..distributed import Reducer
+from ..distributed import Reducer, is_dtensor
 
 _SEE = "see docs/LIMITATIONS.md, 'FSDP2'"
 
@@ -56,12 +56,6 @@ def refuse_sharded(model: nn.Module, what: str) -> None:
             f"{what}: parameters sharded across ranks are not supported yet (the model has "
             f"{found}): each rank would compute its shard's values as if they were the whole "
             f"model's; instrument a DDP run of the model (replicated parameters) instead, {_SEE}")
-
-
-def is_dtensor(tensor: object) -> bool:
-    """Whether `tensor` is a DTensor (free when DTensor was never imported)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def fsdp2_model(model: nn.Module, reducer: Reducer | None, what: str) -> bool:

@@ -21,7 +21,7 @@ is reported with value None and meta["reason"]; finish() never raises.
 statistics one `Batch` (batch.py); α's two steps live in alpha.py, the histogram pass in
 histograms/per_step.py, the curvature in quantities/curvature_runner.py; in a distributed
 run (`reducer=`) global_batch.py turns every rank's statistics into values of the global
-batch.
+batch (sharded.py an FSDP2 model's shards).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..distributed import is_dtensor
 from ..hookstate import hooks_paused
-from ..instruments.sharding import is_dtensor
 from ..naming import named_leaves
 from ..records import QuantityValue, StepPayload, TensorInfo
 from ..store import limits
