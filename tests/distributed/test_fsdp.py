@@ -1,9 +1,9 @@
 """Sharded parameters. FSDP2 (`fully_shard`) on 2 gloo ranks: Loss, GradNorm, Distance and
 UpdateSize equal one process's values on the concatenated batch (float64, rtol 1e-10) from
 one packed collective per instrumented step; every other quantity is missing with one
-reason; unequal batch sizes miss GradNorm only; a Scope records FSDP2 steps (the shards
-skipped with one warning). FSDP1 and tensor-parallel DTensor parameters are refused in one
-line. One harness launch runs every scenario."""
+reason; unequal batch sizes or a sum loss miss GradNorm only; a Scope records FSDP2 steps
+(the shards skipped with one warning). FSDP1 and tensor-parallel DTensor parameters are
+refused in one line. One harness launch runs every scenario."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from tests.distributed.harness import launch
 from tests.distributed.test_equivalence import RTOL, _Counter, _data, _model
 
 SHARDED = ("Loss", "GradNorm", "Distance", "UpdateSize")
-SIZES = [(8, 8), (8, 8), (8, 8), (7, 9)]  # samples of rank 0 and rank 1 at each step
+# samples of rank 0 and rank 1 at each step, and the loss's reduction
+STEPS = [(8, 8, "mean"), (8, 8, "mean"), (8, 8, "mean"), (7, 9, "mean"), (8, 8, "sum")]
+# step -> why GradNorm is missing there (FSDP2's gradient is not the global batch's mean)
+GRAD_MISSING = {3: "batch sizes differ (7, 9)", 4: "the loss is a sum of the per-sample"}
 
 
 def _fsdp2(model):
@@ -27,8 +30,9 @@ def _values(values) -> list:
 
 
 def _equivalence(rank: int, world: int) -> dict:
-    """The FSDP2 model's values and a plain reference on the concatenated batch, both with
-    SGD (the same update when every rank has the same batch size)."""
+    """The FSDP2 model's values, and a plain reference's on the concatenated batch that
+    takes the FSDP2 model's update after its backward (the same parameters at every step,
+    whatever FSDP2 applied)."""
     import torch
     from torch import nn
 
@@ -40,22 +44,27 @@ def _equivalence(rank: int, world: int) -> dict:
     model, reference = _fsdp2(_model("mlp")), _model("mlp")
     inst = Instruments(model, "economy", reducer=reducer)
     ref = Instruments(reference, list(SHARDED))
-    opts = [torch.optim.SGD(m.parameters(), lr=0.3) for m in (model, reference)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
     got, want, calls = [], [], []
-    for step, sizes in enumerate(SIZES):
+    for step, (*sizes, reduction) in enumerate(STEPS):
         x, y = _data("mlp", step, sum(sizes))
         start = sum(sizes[:rank])
-        for net, suite, opt, (xs, ys) in ((model, inst, opts[0],
-                                           (x[start:start + sizes[rank]],
-                                            y[start:start + sizes[rank]])),
-                                          (reference, ref, opts[1], (x, y))):
+        for net, suite, (xs, ys) in ((model, inst, (x[start:start + sizes[rank]],
+                                                    y[start:start + sizes[rank]])),
+                                     (reference, ref, (x, y))):
             before = counter.calls
             suite.start(step, "train")
             losses = nn.functional.cross_entropy(net(xs), ys, reduction="none")
-            suite.loss(losses.mean(), per_sample=losses)
-            opt.zero_grad()
-            losses.mean().backward()
-            opt.step()
+            loss = losses.mean() if reduction == "mean" else losses.sum()
+            suite.loss(loss, per_sample=losses)
+            net.zero_grad()
+            loss.backward()
+            if net is model:
+                opt.step()
+            else:
+                with torch.no_grad():
+                    for p, q in zip(reference.parameters(), model.parameters()):
+                        p.copy_(q.full_tensor())
             (got if suite is inst else want).extend(suite.finish())
             if suite is inst:
                 calls.append(counter.calls - before)
@@ -159,20 +168,18 @@ def _check_equivalence(rank: int, result: dict) -> None:
             assert value is None and reason == NOT_SHARDED, (name, reason)
             others.add(name)
     assert others == {"NormTest", "InnerTest", "OrthoTest", "GradHist1d", "Alpha"}
-    unequal = len(SIZES) - 1
     # a missing quantity is one row (layer ""): GradNorm's per-parameter rows of that step
-    assert set(got) == {k for k in want if k[:2] != ("GradNorm", unequal) or k[2] == ""}
+    assert set(got) == {k for k in want if k[0] != "GradNorm" or k[1] not in GRAD_MISSING
+                        or k[2] == ""}
     for key, (value, reason) in got.items():
         w = want[key]
         name, step, _ = key
-        if step == unequal and name == "GradNorm":
-            assert value is None and "batch sizes differ (7, 9)" in reason, reason
-        elif step == unequal and name == "UpdateSize":
-            assert value is not None  # FSDP2 applied the ranks' mean, not the global one
+        if name == "GradNorm" and step in GRAD_MISSING:
+            assert value is None and GRAD_MISSING[step] in reason, reason
         else:
             assert value is not None and abs(value - w) <= RTOL * abs(w), (key, value, w)
-    assert result["calls"] == [1] * len(SIZES)
-    sizes = [s[rank] for s in SIZES]
+    assert result["calls"] == [1] * len(STEPS)
+    sizes = [s[rank] for s in STEPS]
     assert [v for n, _, v in local if n == "BatchSize"] == sizes
     assert sorted({n for n, _, _ in local}) == ["BatchSize", "Loss"]
     assert sum(NOT_SHARDED in w for w in result["warnings"]) == 1, result["warnings"]
