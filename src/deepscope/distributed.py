@@ -15,12 +15,20 @@ communicating, so a dead or stuck rank costs one timeout, not one per step.
 from __future__ import annotations
 
 import datetime
+import sys
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 DEFAULT_TIMEOUT_S = 120.0
+
+
+def is_dtensor(tensor: object) -> bool:
+    """Whether `tensor` is a DTensor, a shard of a tensor sharded across ranks (free when
+    DTensor was never imported)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 class CollectiveError(RuntimeError):

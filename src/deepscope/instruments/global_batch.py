@@ -299,8 +299,15 @@ class GlobalStep:
         ) if stat in self.stats}
         fingerprint = pack.block("fingerprint", 2 * K + 1) if "dots" in self.stats else None
         partials = self._partials(pack) if "curvature" in self.stats else {}
-        try:  # whatever fails here, this rank still joins the call (else the others stall)
-            self._fill_local(moments, fields, fingerprint, partials, lacking, bound)
+        return self._reduce(pack, flags, lambda: self._fill_local(
+            moments, fields, fingerprint, partials, lacking, bound))
+
+    def _reduce(self, pack: _Pack, flags: Tensor, fill: Callable[[], None]) -> dict[str, Tensor]:
+        """`fill` this rank's statistics into `pack`, raise the flag of each item that
+        failed here, and reduce: whatever fails, this rank still joins the call (else the
+        others stall)."""
+        try:
+            fill()
         except Exception as error:
             for item in self.items:
                 self.local_failed.setdefault(item, describe(error))

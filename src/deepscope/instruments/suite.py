@@ -21,7 +21,7 @@ is reported with value None and meta["reason"]; finish() never raises.
 statistics one `Batch` (batch.py); α's two steps live in alpha.py, the histogram pass in
 histograms/per_step.py, the curvature in quantities/curvature_runner.py; in a distributed
 run (`reducer=`) global_batch.py turns every rank's statistics into values of the global
-batch.
+batch (sharded.py an FSDP2 model's shards).
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ from .quantities import (
 )
 from .quantities.curvature_runner import CurvatureRunner
 from .quantities.curvature_runner import hvp_seconds as _hvp_seconds
-from .sharding import refuse_sharded
+from .sharded import ShardedStep, shard_squares
+from .sharding import fsdp2_model, local_shards
 from .step import ZERO_MEAN, StepState, missing, reduce_loss, rows
 
 Schedule = Callable[[int, str], bool]
@@ -179,7 +180,8 @@ class Instruments:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        refuse_sharded(model, "deepscope's instruments")
+        # FSDP2: shard-wise sums (sharded.py); other sharding is refused
+        self._sharded = fsdp2_model(model, reducer, "deepscope's instruments")
         self.quantities = resolve_quantities(quantities)
         uncomputed = [q for q in self.quantities if q not in COMPUTE]
         if uncomputed:
@@ -231,7 +233,8 @@ class Instruments:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
         self._names = list(self._params)
         self._engine = (PerSampleEngine(model, names=names)
-                        if set(self.quantities) & needing("engine") else None)
+                        if set(self.quantities) & needing("engine") and not self._sharded
+                        else None)
         self._warnings: list[str] = []
         self._new_warnings: list[InstrumentWarning] = []  # not yet taken by take_warnings()
         self._engine_warnings_taken = 0
@@ -275,6 +278,11 @@ class Instruments:
                 out.append(InstrumentWarning(step, location, affected, message))
         return out
 
+    def _own_params(self) -> list[Tensor]:
+        """The parameters' values on this rank, detached: FSDP2's local shards."""
+        params = list(self._params.values())
+        return local_shards(params) if self._sharded else [p.detach() for p in params]
+
     def _due_at(self, step: int, kind: str) -> frozenset[str]:
         return frozenset(
             q for q in self.quantities if self.schedules.get(q, self.schedule)(step, kind)
@@ -296,14 +304,16 @@ class Instruments:
         due = self._due_at(step, kind)
         alpha_end, self._pending = self._pending, None
         self._state = state = StepState(step, due, alpha_end, started_at)
-        params = list(self._params.values())
+        params = self._own_params()
         with torch.no_grad():
             if self._theta0 is None and "Distance" in self.quantities:
                 self._theta0 = [p.detach().clone() for p in params]
             if due & needing("snapshot"):
                 state.theta = [p.detach().clone() for p in params]
             if "Distance" in due:
-                state.distance = layer_norms([p - p0 for p, p0 in zip(params, self._theta0)])
+                diffs = [p - p0 for p, p0 in zip(params, self._theta0)]
+                state.distance = (shard_squares(diffs, list(self._params.values()))
+                                  if self._sharded else layer_norms(diffs))
         if self._engine is not None and (due & needing("engine") or alpha_end):
             self._engine.start()
             state.engine_on = True
@@ -354,7 +364,7 @@ class Instruments:
             # ∂loss/∂(one element of per_sample): a mean also averages each sample's parts
             unit = 1 / (scale * per_sample[0].numel()) if kind == "mean" else 1 / scale
             self._engine.add_loss(loss, scale, per_sample, unit)
-        if state.due & needing("hessian"):
+        if state.due & needing("hessian") and not self._sharded:
             forward_s = state.forward_seconds(loss.device)  # (reduce_loss waited for it)
             # H of the micro-batch's mean loss = loss · scale / B, whatever the reduction
             previous, batch = state.curvature, losses.shape[0]
@@ -420,7 +430,7 @@ class Instruments:
         update: list[Tensor] | None = None
         if state.theta is not None:
             with torch.no_grad():
-                update = [p.detach() - t for p, t in zip(self._params.values(), state.theta)]
+                update = [p - t for p, t in zip(self._own_params(), state.theta)]
 
         batch: Batch | None = None
         batch_error = NO_LOSS
@@ -429,7 +439,7 @@ class Instruments:
                 batch = Batch(self._engine)
             except Exception as error:
                 batch_error = describe(error)
-        if update is not None:
+        if update is not None and not self._sharded:
             state.update_sizes = layer_norms(update)
         if batch is not None and self.reducer is None:
             # a failure here is reported by each quantity that needs the products
@@ -440,6 +450,8 @@ class Instruments:
         if state.loss is None and due - loss_free:
             self._warn(NO_LOSS_WARNING, frozenset(self.quantities) - loss_free)
         distributed = self.reducer is not None
+        if self._sharded:
+            return out + ShardedStep(self, state, update, NO_LOSS).values()
 
         def attempt(name: str, compute: Callable[[], list[QuantityValue]]) -> None:
             if state.loss is None and name not in loss_free:

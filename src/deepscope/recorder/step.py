@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..distributed import is_dtensor
 from ..hookstate import hooks_paused
 from ..naming import named_leaves
 from ..records import QuantityValue, StepPayload, TensorInfo
@@ -55,8 +56,16 @@ def _check_name(name: Any, what: str = "name") -> str:
     return check_text(name, f"tensor {what}")
 
 
+SHARDS_NOT_RECORDED = ("parameters sharded across ranks (DTensor shards: FSDP2, tensor parallel) "
+                       "and their gradients are not recorded yet: each rank holds only its "
+                       "shard; see docs/LIMITATIONS.md, 'FSDP2'")
+
+
 def unrecordable(tensor: torch.Tensor) -> str | None:
     """Why `tensor`'s values cannot be recorded (and what to pass instead), or None."""
+    if is_dtensor(tensor):
+        return ("it is a DTensor, of which this rank holds a shard; sharded tensors are not "
+                "recorded yet, see docs/LIMITATIONS.md, 'FSDP2'")
     if tensor.is_meta:
         return "it is on the meta device and holds no values; record a real tensor"
     if tensor.layout != torch.strided:
@@ -392,8 +401,9 @@ class StepRecorder:
     def _start(self) -> None:
         """Called on entry of a recorded step: parameter values and gradient hooks."""
         for name, p in self._ctx.params.items():
-            if reason := unrecordable(p):
-                self._ctx.warn_once(f"parameter {name}: {reason}; it is not recorded")
+            if reason := unrecordable(p):  # one warning for all of a sharded model's
+                self._ctx.warn_once(SHARDS_NOT_RECORDED if is_dtensor(p) else
+                                    f"parameter {name}: {reason}; it is not recorded")
                 continue
             node, role_in_node = self._ctx.param_nodes[name]
             self._infos[name] = TensorInfo(name, "parameter", node, role_in_node,
