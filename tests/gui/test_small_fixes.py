@@ -75,3 +75,15 @@ def test_compare_columns_share_one_value_scale() -> None:
 def test_the_mode_bar_stays_off_the_titles() -> None:
     layout = values_figure(np.zeros(3), "a long title")["layout"]
     assert layout["modebar"]["orientation"] == "v" and layout["margin"]["r"] >= 30
+
+
+def test_reading_a_finished_run_leaves_its_version(tmp_path) -> None:
+    """The first read of a finished run creates an empty WAL file: not new data (the page
+    would redraw every tab once, seconds after it loaded)."""
+    with deepscope.Scope(tmp_path, "r", schedule=1) as scope, scope.step(0) as rec:
+        rec.tensor("x", torch.ones(2, 3), role="input")
+    rd = ProjectData(tmp_path).run("r")
+    before = rd.version()
+    assert rd.step_index()  # opens the run's file
+    assert (tmp_path / "r" / "rank0.sqlite-wal").exists()
+    assert rd.version() == before
