@@ -117,10 +117,12 @@ def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
         Input({"type": ids.GO, "step": ALL, "where": ALL}, "n_clicks")]
 
     # A Diagnosis row's link also shows this tab, in the same answer: the tab's own wake-up
-    # (SHOWN) then finds the selection made and keeps it.
+    # (SHOWN) then finds the selection made and keeps it. The first call waits for SHOWN
+    # (the tab shown with the runs' versions), as do the callbacks on the selection.
     @app.callback(*[Output(i, p) for i, p in _CONTROLS], Output(ids.SEL, "data"),
                   Output("controls-sent", "data"), *_RECORD_OUTPUTS, Output(ids.TABS, "value"),
-                  *inputs, State(ids.SEL, "data"), State("controls-sent", "data"))
+                  *inputs, State(ids.SEL, "data"), State("controls-sent", "data"),
+                  prevent_initial_call=True)
     def _resolve(run: str | None, kind: str | None, iteration: int | None,
                  direction: str | None, batch: str | None, node: str | None,
                  tensor: str | None, slider: int | None, _prev: Any, _next: Any,
@@ -217,7 +219,7 @@ def _register_graph(app: dash.Dash, project: ProjectData) -> None:
                   Output("node-list", "children"), Output("legend", "children"),
                   Output("graph-key", "data"), Input(ids.SEL, "data"),
                   Input("colour-by", "value"), Input("colour-shared", "value"),
-                  State("graph-key", "data"))
+                  State("graph-key", "data"), prevent_initial_call=True)
     @guard(lambda msg: (dash.no_update, dash.no_update, dash.no_update, error_box(msg),
                         dash.no_update))
     def _graph(sel: dict | None, colour_by: str | None, shared: list | None,
@@ -380,7 +382,7 @@ def _register_outputs(app: dash.Dash, project: ProjectData) -> None:
     @app.callback(Output("over-steps", "figure"), Output("over-steps-key", "data"),
                   Input(ids.SEL, "data"), Input(ids.STATISTIC, "value"),
                   Input("overlay", "value"), Input(SHOWN, "data"),
-                  State("over-steps-key", "data"))
+                  State("over-steps-key", "data"), prevent_initial_call=True)
     @guard(lambda msg: (error_figure(msg, "over steps"), None))
     def _history(sel: dict | None, statistic: str | None, overlay: list | None,
                  shown: list | None, drawn: str | None) -> tuple:
