@@ -7,6 +7,8 @@ iteration    another iteration chosen
 step         "previous step" (the slider's buttons; the arrow keys do the same)
 tab          Graph -> Instruments and back (each way counted)
 run switch   another run chosen while the Instruments tab is shown
+catch-up     Instruments -> Graph just after a run switch there (a hidden tab catches up when
+             shown; the Instruments tab before the switch is not counted)
 
 "Settled" is measured in the page: from the click until no request to the server is pending,
 the rendering frame after the click and after the last answer has run, and no long task
@@ -168,6 +170,12 @@ def measure(data: Path, clicks: int, browser_path: str, loads: int) -> dict[str,
             settle("#tabs .tab", "Instruments")
             out["run_switch"] = stats("run switch", [choose("run", ("fixed", "bugged")[i % 2])
                                                      for i in range(clicks)])
+            catch_up = []
+            for i in range(clicks):
+                settle("#tabs .tab", "Instruments")
+                choose("run", ("fixed", "bugged")[i % 2])
+                catch_up.append(settle("#tabs .tab", "Graph"))
+            out["catch_up"] = stats("catch-up", catch_up)
             browser.close()
     finally:
         server.shutdown()

@@ -87,3 +87,12 @@ def test_reading_a_finished_run_leaves_its_version(tmp_path) -> None:
     assert rd.step_index()  # opens the run's file
     assert (tmp_path / "r" / "rank0.sqlite-wal").exists()
     assert rd.version() == before
+
+
+def test_long_lines_are_drawn_without_point_markers() -> None:
+    """A marker per point of a 75-step line crowds the panel and made plotly draw the
+    Instruments dashboard 2-4x slower; short lines keep them."""
+    from deepscope.gui.figures import line_trace
+
+    assert line_trace("long", range(75), range(75))["mode"] == "lines"
+    assert line_trace("short", range(20), range(20))["mode"] == "lines+markers"
