@@ -75,3 +75,24 @@ def test_compare_columns_share_one_value_scale() -> None:
 def test_the_mode_bar_stays_off_the_titles() -> None:
     layout = values_figure(np.zeros(3), "a long title")["layout"]
     assert layout["modebar"]["orientation"] == "v" and layout["margin"]["r"] >= 30
+
+
+def test_reading_a_finished_run_leaves_its_version(tmp_path) -> None:
+    """The first read of a finished run creates an empty WAL file: not new data (the page
+    would redraw every tab once, seconds after it loaded)."""
+    with deepscope.Scope(tmp_path, "r", schedule=1) as scope, scope.step(0) as rec:
+        rec.tensor("x", torch.ones(2, 3), role="input")
+    rd = ProjectData(tmp_path).run("r")
+    before = rd.version()
+    assert rd.step_index()  # opens the run's file
+    assert (tmp_path / "r" / "rank0.sqlite-wal").exists()
+    assert rd.version() == before
+
+
+def test_long_lines_are_drawn_without_point_markers() -> None:
+    """A marker per point of a 75-step line crowds the panel and made plotly draw the
+    Instruments dashboard 2-4x slower; short lines keep them."""
+    from deepscope.gui.figures import line_trace
+
+    assert line_trace("long", range(75), range(75))["mode"] == "lines"
+    assert line_trace("short", range(20), range(20))["mode"] == "lines+markers"

@@ -9,7 +9,7 @@ from dash import html
 
 from . import ids, poll, ranks
 from .data import ProjectData
-from .layout import empty_page, page
+from .layout import empty_page, page, register_panes
 from .tabs import Tab, compare, diagnosis, graph, instruments, kpis, notes
 
 ASSETS = Path(__file__).with_name("assets")
@@ -44,6 +44,7 @@ def create_app(project_path: str | Path) -> dash.Dash:
     # Callbacks refer to components of both pages; validate them against both.
     app.validation_layout = html.Div([page(label, ["run"], TABS), empty_page(label, "")])
     poll.register(app, project, (ids.RUN, *(i for t in TABS for i in t.run_lists)))
+    register_panes(app, TABS)
     for tab in TABS:
         tab.register(app, project)
     ranks.register(app, project)

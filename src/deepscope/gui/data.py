@@ -109,7 +109,8 @@ class RunData:
     def version(self) -> str:
         """A token that changes whenever a writer commits (file sizes and mtimes, WAL too).
 
-        The -shm index is left out: readers touch it too.
+        The -shm index is left out: readers touch it too; so is an empty WAL file, which
+        opening a finished run for reading creates (no commit in it: nothing new to show).
         """
         parts = []
         files = [*self.run.path.glob("rank*.sqlite"), *self.run.path.glob("rank*.sqlite-wal")]
@@ -118,7 +119,8 @@ class RunData:
                 st = p.stat()
             except FileNotFoundError:  # a WAL file removed by a checkpoint between glob and stat
                 continue
-            parts.append(f"{p.name}:{st.st_size}:{st.st_mtime_ns}")
+            if st.st_size or not p.name.endswith("-wal"):
+                parts.append(f"{p.name}:{st.st_size}:{st.st_mtime_ns}")
         return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
     @contextmanager

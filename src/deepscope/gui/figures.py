@@ -14,7 +14,10 @@ Figure = dict[str, Any]
 # Okabe-Ito: distinguishable for colour-blind readers, one colour per overlaid run.
 SERIES_COLOURS = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9",
                   "#F0E442", "#000000")
-MARKERS_UP_TO = 400  # draw point markers only while they stay legible and cheap to render
+# Point markers only while they stay legible (several pixels apart on a ~400 px panel) and
+# cheap: each marker is an SVG element; 75-point lines with markers took plotly 2-4x as long
+# to draw (the Instruments dashboard's run switch, issue 21).
+MARKERS_UP_TO = 50
 MAX_POINTS = 2000    # a line holds at most this many points: more than a chart has pixels
 # values_figure draws at most this many values (a ~20 MB response); larger arrays are named,
 # not drawn, so one array cannot make a response of hundreds of MB.

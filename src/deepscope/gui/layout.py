@@ -1,14 +1,21 @@
-"""The page: header with the run selector, the tab strip, page-level stores, the poll.
+"""The page: header with the run selector, the tab strip, every tab's pane, page-level
+stores, the poll.
 
 Every selection lives in components and `dcc.Store`s in the browser, so two tabs of the same
 browser (or two users) explore independently; the server keeps no selection state.
+
+Every tab's pane stays mounted and the strip only hides the others (`pane-hidden`): a tab
+switch then neither remounts a dozen charts nor asks the server anything (a hidden tab's
+callbacks wait, see `tabs.gate`).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
-from dash import dcc, html
+import dash
+from dash import Input, Output, dcc, html
 
 from . import ids, poll, ranks
 from .tabs import Tab
@@ -27,11 +34,34 @@ def page(project_label: str, runs: list[str], tabs: Sequence[Tab]) -> html.Div:
             html.Span(id=ids.LIVE_STATUS, className="live-status"),
         ], className="topbar"),
         dcc.Tabs(id=ids.TABS, value=tabs[0].value, className="tabs", children=[
-            dcc.Tab(label=t.label, value=t.value, children=t.layout(run_options))
-            for t in tabs]),
+            dcc.Tab(label=t.label, value=t.value) for t in tabs]),
+        *[html.Div(t.layout(run_options), id=pane_id(t.value),
+                   className=pane_class(t.value, tabs[0].value)) for t in tabs],
         *[dcc.Store(id=s, storage_type="memory") for t in tabs for s in t.stores],
         *poll.components(),
     ], className="app")
+
+
+def pane_id(value: str) -> str:
+    """The id of the div holding the content of the tab `value`."""
+    return f"pane-{value}"
+
+
+def pane_class(value: str, shown: str) -> str:
+    """The pane of tab `value` while the tab `shown` is shown: hidden ones keep their size
+    and drawn charts (no resize or redraw when shown again) but take no room."""
+    return "pane" if value == shown else "pane pane-hidden"
+
+
+def register_panes(app: dash.Dash, tabs: Sequence[Tab]) -> None:
+    """Show the chosen tab's pane, hide the others; in the browser, no request."""
+    values = [t.value for t in tabs]
+    app.clientside_callback(
+        # then draw the charts kept for when their pane is shown (widgets.lazy_figures)
+        f"function (shown) {{ window.deepscope.drawShown(); return {json.dumps(values)}.map("
+        "(v) => v === shown ? 'pane' : 'pane pane-hidden'); }",
+        [Output(pane_id(v), "className") for v in values], Input(ids.TABS, "value"),
+        prevent_initial_call=True)
 
 
 def empty_page(path: str, reason: str) -> html.Div:

@@ -93,7 +93,8 @@ def stats_table(rd: RunData, sel: dict[str, Any], rank: str | None = None) -> tu
         rows.append(html.Tr(cells))
     table = html.Table([html.Caption(caption), html.Thead(head), html.Tbody(rows)],
                        className="stats", **{"data-tensor": tensor, "data-step": str(step),
-                                             "data-direction": sel["direction"]})
+                                             "data-direction": sel["direction"],
+                                             "data-run": sel["run"]})
     banner = None
     if alarms:
         banner = html.Div("⚠ non-finite values: " + ", ".join(alarms), className="banner-bad",

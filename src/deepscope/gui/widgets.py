@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Any
 
-from dash import dcc, html
+import dash
+from dash import Input, Output, dcc, html
 
 GRAPH_CONFIG = {"displaylogo": False, "responsive": True,
                 "modeBarButtonsToRemove": ["lasso2d", "select2d"]}
@@ -26,6 +29,16 @@ def chart(id_: str, height: int = 260) -> dcc.Graph:
     """A chart with a fixed height, so the page does not jump while figures arrive."""
     return dcc.Graph(id=id_, config=GRAPH_CONFIG, style={"height": f"{height}px"},
                      figure={"data": [], "layout": {"height": height}})
+
+
+def lazy_figures(app: dash.Dash, store: str, charts: Sequence[str]) -> None:
+    """The charts `charts` take their figures from the store `store` ({chart id: figure}):
+    those on screen at once, the others when scrolled near the window or shown (in the
+    browser, assets/app.js): updating a long dashboard draws only what can be seen."""
+    app.clientside_callback(
+        "function (figures) { return window.deepscope.lazyFigures("
+        f"{json.dumps(list(charts))}, figures); }}",
+        [Output(c, "figure") for c in charts], Input(store, "data"), prevent_initial_call=True)
 
 
 def list_table(headers: list[str], rows: list[list[Any]]) -> html.Table:

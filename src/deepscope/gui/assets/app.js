@@ -1,7 +1,8 @@
 // deepscope GUI: small browser-side helpers (served locally with the app).
 
 // Left / right arrow keys step through the recorded steps (like comgra's slider), unless the
-// focus is in a control that uses the arrows itself (text fields, dropdowns, the slider).
+// focus is in a control that uses the arrows itself (text fields, dropdowns, the slider) or
+// the graph tab is hidden (every tab stays mounted; the page hides the others).
 document.addEventListener("keydown", function (event) {
     if (event.key !== "ArrowLeft" && event.key !== "ArrowRight") { return; }
     if (event.altKey || event.ctrlKey || event.metaKey) { return; }
@@ -12,7 +13,7 @@ document.addEventListener("keydown", function (event) {
         return;
     }
     var button = document.getElementById(event.key === "ArrowLeft" ? "step-prev" : "step-next");
-    if (button) {
+    if (button && !button.closest(".pane-hidden")) {
         event.preventDefault();
         button.click();
     }
@@ -58,4 +59,62 @@ document.addEventListener("keydown", function (event) {
         }
         wait();
     });
+})();
+
+// Charts of a long dashboard (the Instruments tab) are drawn when they come near the window,
+// not all at once: a run switch then draws what can be seen (Plotly takes 20-50 ms a chart
+// here). `deepscope.lazyFigures(ids, figures)` is a clientside callback's body (see
+// widgets.lazy_figures): it hands each chart on screen its figure now and keeps the others'
+// until the page is scrolled towards them (half a window ahead), their tab is shown, or the
+// page is printed (`drawAll`). A kept chart is blanked (class "stale"): it never shows the
+// previous run's numbers.
+window.deepscope = (function () {
+    var pending = {};  // chart id -> its newest figure, not drawn yet
+    function onScreen(el, ahead) {
+        if (el.closest(".pane-hidden")) { return false; }
+        var box = el.getBoundingClientRect();
+        var margin = ahead * window.innerHeight;
+        return box.bottom > -margin && box.top < window.innerHeight + margin;
+    }
+    function draw(all, ahead) {
+        Object.keys(pending).forEach(function (id) {
+            var el = document.getElementById(id);
+            if (el && (all || onScreen(el, ahead))) {
+                var figure = pending[id];
+                delete pending[id];
+                el.classList.remove("stale");
+                window.dash_clientside.set_props(id, {figure: figure});
+            }
+        });
+    }
+    var queued = false;
+    function drawShown(ahead) {  // at most once a frame
+        if (queued || !Object.keys(pending).length) { return; }
+        queued = true;
+        requestAnimationFrame(function () { queued = false; draw(false, ahead || 0); });
+    }
+    function drawAhead() { drawShown(0.5); }  // scrolling: what is half a window ahead
+    window.addEventListener("scroll", drawAhead, {passive: true});
+    window.addEventListener("resize", drawAhead);
+    function drawAll() { draw(true); }
+    window.addEventListener("beforeprint", drawAll);
+    return {
+        drawShown: drawShown,
+        drawAll: drawAll,
+        lazyFigures: function (ids, figures) {
+            var skip = window.dash_clientside.no_update;
+            return ids.map(function (id) {
+                var el = document.getElementById(id);
+                if (!figures || !(id in figures)) { return skip; }
+                if (!el || onScreen(el, 0)) {
+                    delete pending[id];
+                    if (el) { el.classList.remove("stale"); }
+                    return figures[id];
+                }
+                pending[id] = figures[id];
+                el.classList.add("stale");
+                return skip;
+            });
+        }
+    };
 })();

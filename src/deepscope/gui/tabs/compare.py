@@ -1,12 +1,11 @@
 """The Compare tab: the Graph tab's selected record in two runs side by side, and both
 histories in one chart.
 
-Its callbacks wake only while the tab is shown, so the graph tab's clicks never pay for them.
+Its callbacks wake only while the tab is shown (and once when shown after the selection or
+the data changed), so the graph tab's clicks never pay for them.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import dash
 from dash import Input, Output, html
@@ -17,11 +16,11 @@ from ..figures import message_figure, share_scale
 from ..guard import error_box, figure_guard, guard
 from ..selection import nearest_index
 from ..widgets import chart, dropdown, labelled
-from . import Tab
+from . import Tab, gate
 
 VALUE = "compare"
 OTHER = "compare-b"        # run B (the poll keeps its options current)
-SEL = "sel-compare"        # the Graph tab's selection, copied while this tab is shown
+SEL = "sel-compare"  # [Graph tab's selection, statistic, slow version] while shown (`gate`)
 
 
 def layout(run_options: list[dict[str, str]]) -> html.Div:
@@ -42,43 +41,48 @@ def layout(run_options: list[dict[str, str]]) -> html.Div:
     ], className="compare")
 
 
+def _shown(data: list | None) -> tuple[dict | None, str]:
+    """(the Graph tab's selection, its statistic) from the SEL store."""
+    sel, statistic, _version = data or (None, None, None)
+    return sel, statistic or "norm"
+
+
 def register(app: dash.Dash, project: ProjectData) -> None:
-    # Copy the selection only while the Compare tab is shown (in the browser, no request):
-    # the graph tab's clicks then never wake the compare callbacks.
-    app.clientside_callback(
-        f"function(tab, sel) {{ return tab === '{VALUE}' ? sel : "
-        "window.dash_clientside.no_update; }",
-        Output(SEL, "data"), Input(ids.TABS, "value"), Input(ids.SEL, "data"))
+    # the graph tab's clicks wake the compare callbacks only once this tab is shown
+    gate(app, VALUE, SEL, (ids.SEL, "data"), (ids.STATISTIC, "value"),
+         (ids.VERSION_SLOW, "data"))
 
     @app.callback(Output("compare-what", "children"), Input(SEL, "data"),
-                  Input(ids.STATISTIC, "value"))
-    def _what(sel: dict | None, statistic: str | None) -> str:
+                  prevent_initial_call=True)
+    def _what(shown: list | None) -> str:
+        sel, statistic = _shown(shown)
         if not sel or not sel.get("tensor"):
             return "Select a tensor in the Graph tab."
         return (f"Same tensor, step and statistic in both runs: {sel['tensor']} "
-                f"({sel['direction']}), {statistic or 'norm'} — choose them in the Graph tab.")
+                f"({sel['direction']}), {statistic} — choose them in the Graph tab.")
 
     for side in ("a", "b"):
         _register_column(app, project, side)
 
     @app.callback(Output("compare-over-steps", "figure"), Input(SEL, "data"),
-                  Input(OTHER, "value"), Input(ids.STATISTIC, "value"),
-                  Input(ids.VERSION_SLOW, "data"))
+                  Input(OTHER, "value"), prevent_initial_call=True)
     @figure_guard("over steps", 280)
-    def _overlay(sel: dict | None, other: str | None, statistic: str | None, _v: Any) -> dict:
+    def _overlay(shown: list | None, other: str | None) -> dict:
+        sel, statistic = _shown(shown)
         if not sel or not sel.get("tensor"):
             raise dash.exceptions.PreventUpdate
         return panels.history(project, [sel["run"], *([other] if other else [])], sel,
-                              statistic or "norm", height=280)
+                              statistic, height=280)
 
 
 def _register_column(app: dash.Dash, project: ProjectData, side: str) -> None:
     @app.callback(Output(f"compare-{side}-title", "children"),
                   Output(f"compare-{side}-table", "children"),
                   Output(f"compare-{side}-values", "figure"), Input(SEL, "data"),
-                  Input(OTHER, "value"), Input(ids.VERSION_SLOW, "data"))
+                  Input(OTHER, "value"), prevent_initial_call=True)
     @guard(lambda msg: ("error", error_box(msg), dash.no_update))
-    def _column(sel: dict | None, other: str | None, _v: Any) -> tuple:
+    def _column(shown: list | None, other: str | None) -> tuple:
+        sel, _statistic = _shown(shown)
         if not sel or not sel.get("tensor"):
             raise dash.exceptions.PreventUpdate
         run = sel["run"] if side == "a" else other

@@ -1,35 +1,22 @@
 """The Diagnosis tab: the run's likely bugs (deepscope.diagnosis), each a button to the step
-and node it names in the graph tab, then the evidence that was missing, then the health
-check's low-level findings.
+and node it names in the graph tab (the graph tab's selection callback handles the click and
+shows that tab), then the evidence that was missing, then the health check's low-level
+findings.
 
 Its value and content id are still "anomalies" (the tab's former name), kept for stable ids.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
-import dash
-from dash import ALL, Input, Output, ctx, html
+from dash import html
 
 from ...diagnosis import THRESHOLD, examine
 from .. import ids, panels
-from ..data import ProjectData, RunData
+from ..data import RunData
 from ..widgets import list_table
 from . import run_card
-
-
-def register(app: dash.Dash, project: ProjectData) -> None:
-    _CARD.register(app, project)
-
-    @app.callback(Output(ids.TABS, "value"),
-                  Input({"type": ids.GO, "step": ALL, "where": ALL}, "n_clicks"),
-                  prevent_initial_call=True)
-    def _to_graph(_clicks: list) -> str:
-        if ids.picked(ctx.triggered_id, ctx.triggered) is None:
-            raise dash.exceptions.PreventUpdate
-        return ids.GRAPH_TAB
 
 
 def _diagnosis(rd: RunData, run: str) -> list[Any]:
@@ -82,5 +69,4 @@ def _findings(run: str, found: Any) -> list[Any]:
         for row in found[cols].itertuples(index=False)])]
 
 
-_CARD = run_card("Diagnosis", "anomalies", "anomalies", _diagnosis)  # value, content div
-TAB = replace(_CARD, register=register)  # the card, and its rows' links to the graph tab
+TAB = run_card("Diagnosis", "anomalies", "anomalies", _diagnosis)  # value, content div

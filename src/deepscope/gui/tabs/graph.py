@@ -22,10 +22,11 @@ from ..data import LRU, ProjectData, RunData, fingerprint
 from ..guard import contained, describe, error_box, error_figure, guard, report
 from ..selection import Request, nearest_index, resolve
 from ..widgets import chart, dropdown, labelled
-from . import Tab
+from . import Tab, gate
 from .instruments import PER_LAYER
 
 _LAYOUTS = LRU(128)  # graph structure fingerprint -> GraphLayout (pure function of the graph)
+SHOWN = "graph-in"   # store: [run, versions] while the tab is shown (`tabs.gate`)
 STATISTICS = [s for s in STAT_COLUMNS if s != "numel"]
 COLOUR_OPTIONS = ([{"label": "role", "value": "role"}]
                   + [{"label": f"statistic: {s}", "value": f"stat:{s}"} for s in STATISTICS]
@@ -89,14 +90,16 @@ def layout(_run_options: list[dict[str, str]]) -> html.Div:
 
 
 def register(app: dash.Dash, project: ProjectData) -> None:
-    """The Graph tab's callbacks (they run whichever tab is shown: the selection is shared)."""
+    """The Graph tab's callbacks. A run switch or a new step while another tab is shown
+    waits until the tab is shown again (a Diagnosis row's link selects at once)."""
+    gate(app, ids.GRAPH_TAB, SHOWN, (ids.RUN, "value"), (ids.VERSION, "data"))
     _register_resolve(app, project)
     _register_graph(app, project)
     _register_outputs(app, project)
 
 
 # --- selectors ----------------------------------------------------------------------------
-_SELECTORS = (ids.RUN, "kind", "iteration", "direction", "batch", "node", "tensor")
+_SELECTORS = ("kind", "iteration", "direction", "batch", "node", "tensor")
 _CONTROLS = ((ids.RUN, "value"), ("kind", "options"), ("kind", "value"), ("step-slider", "max"),
              ("step-slider", "marks"), ("step-slider", "value"), ("step-label", "children"),
              ("iteration", "options"), ("iteration", "value"), ("direction", "options"),
@@ -106,21 +109,25 @@ _CONTROLS = ((ids.RUN, "value"), ("kind", "options"), ("kind", "value"), ("step-
 
 
 def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
-    inputs = [Input(i, "value") for i in _SELECTORS] + [
+    # the run comes from the page's selector as it is now; SHOWN wakes this callback
+    inputs = [State(ids.RUN, "value")] + [Input(i, "value") for i in _SELECTORS] + [
         Input("step-slider", "value"), Input("step-prev", "n_clicks"),
         Input("step-next", "n_clicks"), Input("graph", "tapNodeData"),
         Input({"type": "node-btn", "node": ALL}, "n_clicks"),
-        Input("over-steps", "clickData"), Input(ids.VERSION, "data"),
+        Input("over-steps", "clickData"), Input(SHOWN, "data"),
         Input({"type": ids.GO, "step": ALL, "where": ALL}, "n_clicks")]
 
+    # A Diagnosis row's link also shows this tab, in the same answer: the tab's own wake-up
+    # (SHOWN) then finds the selection made and keeps it. The first call waits for SHOWN
+    # (the tab shown with the runs' versions), as do the callbacks on the selection.
     @app.callback(*[Output(i, p) for i, p in _CONTROLS], Output(ids.SEL, "data"),
-                  Output("controls-sent", "data"), *_RECORD_OUTPUTS, *inputs,
-                  State(ids.SEL, "data"), State("controls-sent", "data"),
-                  State(ids.RANK, "value"))
+                  Output("controls-sent", "data"), *_RECORD_OUTPUTS, Output(ids.TABS, "value"),
+                  *inputs, State(ids.SEL, "data"), State("controls-sent", "data"),
+                  State(ids.RANK, "value"), prevent_initial_call=True)
     def _resolve(run: str | None, kind: str | None, iteration: int | None,
                  direction: str | None, batch: str | None, node: str | None,
                  tensor: str | None, slider: int | None, _prev: Any, _next: Any,
-                 tap: dict | None, _buttons: list, click: dict | None, _v: Any,
+                 tap: dict | None, _buttons: list, click: dict | None, _shown: Any,
                  _diagnoses: list, previous: dict | None, sent: dict | None,
                  rank: str | None) -> tuple:
         trigger, picked_node, picked_step = _trigger(tap, click)
@@ -134,7 +141,8 @@ def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
         except Exception as exc:  # e.g. a damaged run: say so, keep the page
             report("selection", exc)
             keep = [dash.no_update] * (len(_CONTROLS) + 2)   # controls, sel, controls-sent
-            return (*keep, None, error_box(describe(exc)), dash.no_update, dash.no_update)
+            return (*keep, None, error_box(describe(exc)), dash.no_update, dash.no_update,
+                    dash.no_update)
         new = {
             (ids.RUN, "value"): sel.run, ("kind", "options"): ch.kinds,
             ("kind", "value"): sel.kind, ("step-slider", "max"): max(ch.step_count - 1, 0),
@@ -162,9 +170,10 @@ def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
                 sent[name] = fingerprint(value)
             out.append(value if changed else dash.no_update)
         data = sel.as_dict()
+        tab = ids.GRAPH_TAB if trigger == "diagnosis" else dash.no_update
         if data == previous:
-            return (*out, dash.no_update, sent, *[dash.no_update] * len(_RECORD_OUTPUTS))
-        return (*out, data, sent, *record_panels(project, data, rank))
+            return (*out, dash.no_update, sent, *[dash.no_update] * len(_RECORD_OUTPUTS), tab)
+        return (*out, data, sent, *record_panels(project, data, rank), tab)
 
     @app.callback(Output("nonfinite-banner", "children", allow_duplicate=True),
                   Output("stats-table", "children", allow_duplicate=True),
@@ -225,7 +234,7 @@ def _register_graph(app: dash.Dash, project: ProjectData) -> None:
                   Output("node-list", "children"), Output("legend", "children"),
                   Output("graph-key", "data"), Input(ids.SEL, "data"),
                   Input("colour-by", "value"), Input("colour-shared", "value"),
-                  State("graph-key", "data"))
+                  State("graph-key", "data"), prevent_initial_call=True)
     @guard(lambda msg: (dash.no_update, dash.no_update, dash.no_update, error_box(msg),
                         dash.no_update))
     def _graph(sel: dict | None, colour_by: str | None, shared: list | None,
@@ -364,10 +373,11 @@ def _legend(layout: graph_view.GraphLayout, scale: graph_view.ColourScale | None
 
 # --- outputs ------------------------------------------------------------------------------
 def _register_outputs(app: dash.Dash, project: ProjectData) -> None:
-    @app.callback(Output("overlay", "options"), Input(ids.RUN, "value"),
-                  Input(ids.VERSION, "data"))
-    def _overlay_options(run: str | None, versions: dict | None) -> list:
+    @app.callback(Output("overlay", "options"), Input(SHOWN, "data"),
+                  prevent_initial_call=True)
+    def _overlay_options(shown: list | None) -> list:
         # the selected run is always drawn; offer only the others
+        run, versions = shown or (None, None)
         return [{"label": r, "value": r} for r in (versions or {}) if r != run]
 
     # Moving the step marker needs no server round trip and no replot of the points.
@@ -386,13 +396,15 @@ def _register_outputs(app: dash.Dash, project: ProjectData) -> None:
 
     @app.callback(Output("over-steps", "figure"), Output("over-steps-key", "data"),
                   Input(ids.SEL, "data"), Input(ids.STATISTIC, "value"),
-                  Input("overlay", "value"), Input(ids.VERSION, "data"),
-                  Input(ids.RANK, "value"), State("over-steps-key", "data"))
+                  Input("overlay", "value"), Input(SHOWN, "data"),
+                  Input(ids.RANK, "value"), State("over-steps-key", "data"),
+                  prevent_initial_call=True)
     @guard(lambda msg: (error_figure(msg, "over steps"), None))
     def _history(sel: dict | None, statistic: str | None, overlay: list | None,
-                 versions: dict | None, rank: str | None, drawn: str | None) -> tuple:
+                 shown: list | None, rank: str | None, drawn: str | None) -> tuple:
         if not sel or sel.get("empty") or not sel.get("tensor"):
             raise dash.exceptions.PreventUpdate
+        versions = (shown or (None, None))[1]
         runs = list(dict.fromkeys([sel["run"], *(overlay or [])]))
         statistic = statistic or "norm"
         key = fingerprint([runs, sel["tensor"], sel["direction"], sel["record_iteration"],
@@ -404,4 +416,4 @@ def _register_outputs(app: dash.Dash, project: ProjectData) -> None:
 
 
 TAB = Tab("Graph", ids.GRAPH_TAB, layout, register,
-          stores=(ids.SEL, "graph-key", "over-steps-key", "controls-sent"))
+          stores=(ids.SEL, "graph-key", "over-steps-key", "controls-sent", SHOWN))

@@ -12,7 +12,7 @@ from typing import Any
 import dash
 import numpy as np
 import pandas as pd
-from dash import Input, Output, State, html
+from dash import Input, Output, State, ctx, html
 
 from ... import catalogue
 from .. import ids, ranks
@@ -20,13 +20,15 @@ from ..axes import series_figure
 from ..data import ProjectData, RunData
 from ..figures import Figure, base_layout, line_trace, message_figure, note
 from ..guard import contained, error_box, error_figure
-from ..widgets import chart, dropdown, labelled
-from . import Tab
+from ..widgets import chart, dropdown, labelled, lazy_figures
+from . import Tab, gate
 
 VALUE = "instruments"
 MAX_HIST_STEPS = 300  # columns of the gradient-histogram heatmap; more steps are thinned
 MAX_HIST_BINS = 400   # rows of the common grid (the finest recorded bin width, up to this)
 DRAWN = "inst-drawn"  # store: the run, layer and run version the panels show
+SHOWN = "inst-in"     # store: [run, slow version] while the tab is shown (`tabs.gate`)
+FIGURES = "inst-figures"  # store: {chart id: figure}, drawn as they come near the window
 
 
 @dataclass(frozen=True)
@@ -190,7 +192,10 @@ def layout(_run_options: list[dict[str, str]]) -> html.Div:
         sections.append(html.Section([
             html.H2(title),
             html.Div(id=f"inst-warnings-{i}", className="inst-warnings"),  # beside the charts
-            html.Div([chart(f"inst-{k}", PANELS[k].height) for k in keys],
+            # each chart in a box of its height: the page knows where every chart sits
+            # before plotly has drawn any (charts below the window are drawn when scrolled to)
+            html.Div([html.Div(chart(f"inst-{k}", PANELS[k].height),
+                               style={"height": f"{PANELS[k].height}px"}) for k in keys],
                      className="panel-grid"),
         ], className="card"))
     return html.Div([
@@ -204,48 +209,51 @@ def layout(_run_options: list[dict[str, str]]) -> html.Div:
 
 
 def _key(run: str, layer: str, version: Any) -> list[Any]:
-    """What the drawn panels show: redrawn only when this changes (not on every tab visit)."""
+    """What the drawn panels show: redrawn only when this changes. `version`: the page's
+    slow version store ({"versions": {run: token}, ...})."""
     return [run, layer, (version or {}).get("versions", {}).get(run)]
 
 
 def register(app: dash.Dash, project: ProjectData) -> None:
     """Callbacks of the Instruments tab; they run only while the tab is shown.
 
-    All panels and the warnings are one callback: one request and one render pass per change
-    (one request per panel made the browser's rendering, not the server, the bottleneck); a
-    panel that fails still shows its own error. Coming back to the tab with nothing changed
-    redraws nothing: the charts keep their figures.
+    The layer choices, all panels and the warnings are one callback: one request and one
+    render pass per change (one request per panel made the browser's rendering, not the
+    server, the bottleneck); a panel that fails still shows its own error. Coming back to
+    the tab with nothing changed asks nothing: the charts keep their figures. The browser
+    draws the charts on screen first, the others when scrolled to (`lazy_figures`).
     """
-    inputs = [Input(ids.TABS, "value"), Input(ids.RUN, "value"), Input("inst-layer", "value"),
-              Input(ids.VERSION_SLOW, "data")]
+    gate(app, VALUE, SHOWN, (ids.RUN, "value"), (ids.VERSION_SLOW, "data"))
+    lazy_figures(app, FIGURES, [f"inst-{k}" for k in PANELS])
 
-    @app.callback(Output("inst-layer", "options"), Output("inst-layer", "value"), *inputs,
-                  State(DRAWN, "data"))
-    def _layers(tab: str, run: str | None, layer: str | None, version: Any,
-                drawn: list | None) -> tuple:
-        if tab != VALUE or not run or drawn == _key(run, layer or "", version):
-            raise dash.exceptions.PreventUpdate
-        options = layer_options(project.run(run))
-        valid = {o["value"] for o in options}
-        return options, layer if layer in valid else ""
-
-    @app.callback(*[Output(f"inst-{k}", "figure") for k in PANELS],
+    @app.callback(Output("inst-layer", "options"), Output("inst-layer", "value"),
+                  Output(FIGURES, "data"),
                   *[Output(f"inst-warnings-{i}", "children") for i in range(len(SECTIONS))],
-                  Output(DRAWN, "data"), *inputs, State(DRAWN, "data"))
-    def _draw(tab: str, run: str | None, layer: str | None, version: Any,
-              drawn: list | None) -> tuple:
-        key = _key(run or "", layer or "", version)
-        if tab != VALUE or not run or drawn == key:
+                  Output(DRAWN, "data"), Input(SHOWN, "data"), Input("inst-layer", "value"),
+                  State(DRAWN, "data"), prevent_initial_call=True)
+    def _draw(shown: list | None, layer: str | None, drawn: list | None) -> tuple:
+        run, version = shown or (None, None)
+        if not run:
             raise dash.exceptions.PreventUpdate
         rd = project.run(run)
-        figures = [contained(lambda p=p: render_panel(rd, p, layer or ""),
-                             lambda msg, p=p: error_figure(msg, p.title, p.height), p.title)
-                   for p in PANELS.values()]
+        options, asked = dash.no_update, layer or ""
+        if ctx.triggered_id == SHOWN:  # another run or new data: its layers
+            options = layer_options(rd)
+            if asked not in {o["value"] for o in options}:
+                asked = ""
+        key = _key(run, asked, version)
+        if drawn == key:
+            raise dash.exceptions.PreventUpdate
+        figures = {f"inst-{k}": contained(lambda p=p: render_panel(rd, p, asked),
+                                          lambda msg, p=p: error_figure(msg, p.title,
+                                                                        p.height), p.title)
+                   for k, p in PANELS.items()}
         warnings = contained(
             lambda: [[html.P(line) for line in lines] for lines in section_warnings(rd)],
             lambda msg: [[error_box(f"warnings: {msg}")]] + [[] for _ in SECTIONS[1:]],
             "warnings")
-        return (*figures, *warnings, key)
+        return (options, asked if asked != (layer or "") else dash.no_update, figures,
+                *warnings, key)
 
 
-TAB = Tab("Instruments", VALUE, layout, register, stores=(DRAWN,))
+TAB = Tab("Instruments", VALUE, layout, register, stores=(DRAWN, SHOWN, FIGURES))

@@ -1,6 +1,7 @@
 """The KPIs tab: the KPIs of the chosen runs overlaid, with exponential smoothing.
 
-Its callback runs only while the tab is shown, so the graph tab's clicks never pay for it.
+Its callback runs only while the tab is shown (and once more when shown after new data),
+so the graph tab's clicks never pay for it.
 """
 
 from __future__ import annotations
@@ -8,17 +9,18 @@ from __future__ import annotations
 from typing import Any
 
 import dash
-from dash import Input, Output, dcc, html
+from dash import Input, Output, State, dcc, html
 
 from .. import ids, ranks
 from ..data import ProjectData
 from ..figures import SERIES_COLOURS, base_layout, ema, line_trace
 from ..guard import contained, error_box, guard
 from ..widgets import GRAPH_CONFIG, dropdown, labelled
-from . import Tab
+from . import Tab, gate
 
 VALUE = "kpis"
 RUNS = "kpi-runs"  # the runs overlaid (the poll keeps its options current)
+SHOWN = "kpi-in"   # store: [slow version] while the tab is shown (`tabs.gate`)
 
 
 def layout(run_options: list[dict[str, str]]) -> html.Div:
@@ -86,16 +88,18 @@ def kpi_charts(project: ProjectData, runs: list[str], smoothing: float,
 
 
 def register(app: dash.Dash, project: ProjectData) -> None:
-    @app.callback(Output("kpi-charts", "children"), Input(ids.TABS, "value"),
+    gate(app, VALUE, SHOWN, (ids.VERSION_SLOW, "data"), (ids.RANK, "value"))
+
+    @app.callback(Output("kpi-charts", "children"), Input(SHOWN, "data"),
                   Input(RUNS, "value"), Input("kpi-smooth", "value"),
-                  Input(ids.VERSION_SLOW, "data"), Input(ids.RANK, "value"))
+                  State(ids.RANK, "value"), prevent_initial_call=True)
     @guard(lambda msg: [error_box(msg)])
-    def _kpis(tab: str, runs: list[str] | None, smoothing: float | None,
-              _v: Any, rank: str | None) -> list[Any]:
-        if tab != VALUE:
+    def _kpis(shown: Any, runs: list[str] | None, smoothing: float | None,
+              rank: str | None) -> list[Any]:
+        if shown is None:  # never shown yet (the runs' options arrived with the poll)
             raise dash.exceptions.PreventUpdate
         present = [r for r in runs or [] if r in project.runs()]
         return kpi_charts(project, present, float(smoothing or 0), rank)
 
 
-TAB = Tab("KPIs", VALUE, layout, register, run_lists=(RUNS,))
+TAB = Tab("KPIs", VALUE, layout, register, run_lists=(RUNS,), stores=(SHOWN,))
