@@ -386,6 +386,7 @@ class StoreWriter:
                     self._write(item)
             except Exception as exc:  # never kill the training
                 self._fail(item, exc)
+                self._kpis_alone(item)
             finally:
                 self._queue.task_done()
         try:
@@ -419,12 +420,24 @@ class StoreWriter:
             self._reported.add(key)
             log.warning("deepscope: %s", warning.format(what=what, key=key, path=self.path))
 
+    def _kpis_alone(self, item: Any) -> None:
+        """A step not written loses its data only: the KPIs it carried get their own commit."""
+        if isinstance(item, StepPayload) and item.kpis and not self.failed:
+            kpis = _Kpis(item.kpis)
+            try:
+                self._write(kpis)
+            except Exception as exc:  # noqa: BLE001 - never kill the training
+                self._fail(kpis, exc)
+
     def _write(self, item: Any) -> None:
         summary = self._summarise(item) if isinstance(item, StepPayload) else None
         if isinstance(item, StepPayload) and summary is None:
+            self._kpis_alone(item)
             return
         if isinstance(item, _Kpis):  # once, before any retry
             item = _Kpis(self._kpi_rows(item.rows))
+        elif isinstance(item, StepPayload) and item.kpis:
+            item.kpis = self._kpi_rows(item.kpis)
         delay = 0.01
         while True:
             now = time.monotonic()
@@ -564,6 +577,7 @@ class StoreWriter:
                         [(p.step, i, h) for i, h in p.iteration_graphs])
         self._write_quantities(p.quantities)
         self._write_anomalies(p.anomalies)
+        con.executemany("INSERT OR REPLACE INTO kpis VALUES (?, ?, ?, ?)", p.kpis)
         # The steps row last: a reader that sees it sees the whole step (same transaction anyway).
         # Plain INSERT: a committed step is never rewritten (a second writer's or a resumed
         # run's step number that exists fails here, and only that step is skipped).

@@ -1,0 +1,77 @@
+"""What one recorded step costs the writer in commits: its KPIs ride in its own transaction,
+and KPIs are never lost when the step itself is not written."""
+
+from __future__ import annotations
+
+import torch
+
+import deepscope
+from deepscope.store import writer as writer_module
+from deepscope.store.writer import StoreWriter
+
+
+def record(scope: deepscope.Scope, steps: range) -> None:
+    for step in steps:
+        with scope.step(step) as rec:
+            rec.tensor("x", torch.full((2, 3), float(step)), role="input")
+            rec.kpi("k", float(step))
+
+
+def test_a_recorded_step_commits_its_kpis_in_its_own_transaction(tmp_path, monkeypatch):
+    """Steps 0 and 2 recorded, 1 not: two transactions in all, each step's with the KPIs
+    logged since the previous commit (step 1's go with step 2)."""
+    items = []
+    transaction = StoreWriter._transaction
+
+    def counting(self: StoreWriter, item: object, summary: object) -> None:
+        items.append(item)
+        transaction(self, item, summary)
+
+    with deepscope.Scope(tmp_path, "r", schedule=2) as scope:
+        scope.flush()  # the Scope's own start-up items are not counted
+        monkeypatch.setattr(StoreWriter, "_transaction", counting)
+        record(scope, range(3))
+        scope.flush()
+        written = list(items)
+    assert [type(i).__name__ for i in written] == ["StepPayload", "StepPayload"]
+    assert [[(n, s) for n, s, _, _ in i.kpis] for i in written] == [[("k", 0)],
+                                                                  [("k", 1), ("k", 2)]]
+    run = deepscope.open_run(tmp_path / "r")
+    assert run.steps() == [0, 2]
+    kpis = run.kpis("k")
+    assert list(kpis["step"]) == [0, 1, 2] and list(kpis["value"]) == [0.0, 1.0, 2.0]
+
+
+def test_a_dropped_step_keeps_its_kpis(tmp_path, monkeypatch):
+    """on_full='drop' with a full queue loses the step's data, not the KPIs it carried."""
+    with deepscope.Scope(tmp_path, "r", schedule=1, on_full="drop") as scope:
+        record(scope, range(1))
+        monkeypatch.setattr(scope.writer, "submit_step", lambda payload: False)
+        record(scope, range(1, 3))
+        monkeypatch.undo()
+        record(scope, range(3, 4))
+    run = deepscope.open_run(tmp_path / "r")
+    assert run.steps() == [0, 3]
+    assert list(run.kpis("k")["step"]) == [0, 1, 2, 3]
+
+
+def test_kpis_of_a_step_that_fails_to_write_are_committed_alone(tmp_path, monkeypatch):
+    """A step whose own data cannot be written (here: its step number exists already) is
+    skipped; the KPIs it carried get their own commit. Other failures: see
+    test_reliability_writer.test_a_failure_of_one_step_skips_that_step_not_the_run."""
+    monkeypatch.setattr(writer_module, "LOCK_WAIT_SECONDS", 0.0)
+    with deepscope.Scope(tmp_path, "r", schedule=1) as scope:
+        record(scope, range(2))
+        scope.flush()
+        scope._last_step = None  # pretend another writer's step counter
+        with scope.step(1) as rec:
+            rec.tensor("x", torch.zeros(2, 3), role="input")
+            rec.kpi("k2", 7.0)
+        try:
+            scope.flush()
+        except deepscope.RecordingError as exc:
+            assert "step 1 skipped" in str(exc)
+        else:
+            raise AssertionError("the duplicate step was not reported")
+    kpis = deepscope.open_run(tmp_path / "r").kpis("k2")
+    assert list(kpis["step"]) == [1] and list(kpis["value"]) == [7.0]
