@@ -1,7 +1,10 @@
-"""What one recorded step costs the writer in commits: its KPIs ride in its own transaction,
-and KPIs are never lost when the step itself is not written."""
+"""What one recorded step costs the writer: one commit, its KPIs in it; checkpoints on a
+thread of their own; KPIs never lost when the step itself is not written."""
 
 from __future__ import annotations
+
+import sqlite3
+import time
 
 import torch
 
@@ -75,3 +78,30 @@ def test_kpis_of_a_step_that_fails_to_write_are_committed_alone(tmp_path, monkey
             raise AssertionError("the duplicate step was not reported")
     kpis = deepscope.open_run(tmp_path / "r").kpis("k2")
     assert list(kpis["step"]) == [1] and list(kpis["value"]) == [7.0]
+
+
+def test_checkpoints_run_beside_the_writer_not_in_its_commits(tmp_path, monkeypatch):
+    """The writer's commits leave the WAL to the checkpointer thread (SQLite's own automatic
+    checkpoint only past WAL_LIMIT_PAGES): what it checkpointed is in the database file
+    itself, readable without the WAL; close() still leaves one complete file."""
+    monkeypatch.setattr(writer_module, "CHECKPOINT_COMMITS", 4)
+    db = tmp_path / "r" / "rank0.sqlite"
+    with deepscope.Scope(tmp_path, "r", schedule=1) as scope:
+        writer = scope.writer
+        limit = writer._con.execute("PRAGMA wal_autocheckpoint").fetchone()[0]
+        assert limit == writer_module.WAL_LIMIT_PAGES
+        record(scope, range(12))
+        scope.flush()
+        for _ in range(200):  # the checkpointer runs on its own thread: wait for it
+            if writer.checkpointer.checkpoints >= 1:
+                break
+            time.sleep(0.05)
+        assert writer.checkpointer.checkpoints >= 1
+        alone = tmp_path / "alone.sqlite"  # the database file without its -wal
+        alone.write_bytes(db.read_bytes())
+        con = sqlite3.connect(alone)
+        assert con.execute("SELECT count(*) FROM steps").fetchone()[0] >= 4
+        con.close()
+    assert not (tmp_path / "r" / "rank0.sqlite-wal").exists() or \
+        (tmp_path / "r" / "rank0.sqlite-wal").stat().st_size == 0
+    assert deepscope.open_run(tmp_path / "r").steps() == list(range(12))

@@ -49,6 +49,14 @@ log = logging.getLogger("deepscope")
 LOCK_WAIT_SECONDS = 30.0
 LOCK_PROBE_SECONDS = 1.0
 _BUSY_TIMEOUT_SECONDS = 0.05  # SQLite's own wait per attempt; the back-off is ours
+# A checkpoint (the WAL copied into the database, with an fsync of each) costs tens of ms on a
+# busy disk, paid by the commit that triggers it: the writer's commits do not checkpoint, a
+# thread of their own does, every CHECKPOINT_COMMITS commits and whenever the writer's queue
+# runs empty (caught up then, the WAL starts over at the next commit). SQLite's automatic
+# checkpoint on the writer's connection stays, should the WAL outgrow WAL_LIMIT_PAGES while
+# the writer never rests.
+CHECKPOINT_COMMITS = 16
+WAL_LIMIT_PAGES = 4096
 _LOCKED = ("another program has held the write lock of {path} too long; {what} and later "
            "items are skipped until it lets go (training continues)")
 _live_writers: weakref.WeakSet = weakref.WeakSet()
@@ -152,6 +160,44 @@ class RunLock:
             self.fd = None
 
 
+class Checkpointer:
+    """Copies a database's WAL into it on a thread and connection of its own: PASSIVE
+    checkpoints, which never wait for nor block the writer or readers. Crash safety is
+    SQLite's: a checkpoint cut short by kill -9 loses nothing committed."""
+
+    def __init__(self, path: Path) -> None:
+        self.con = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self.checkpoints = 0  # checkpoints run so far
+        self._due = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="deepscope-checkpoint",
+                                        daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        """Ask for a checkpoint soon (requests while one runs are merged)."""
+        self._due.set()
+
+    def close(self) -> None:
+        """Stop the thread (a running checkpoint finishes first) and close the connection."""
+        self._stopping = True
+        self._due.set()
+        self._thread.join()
+        self.con.close()
+
+    def _run(self) -> None:
+        while True:
+            self._due.wait()
+            self._due.clear()
+            if self._stopping:
+                return
+            try:
+                self.con.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                self.checkpoints += 1
+            except sqlite3.Error:
+                pass  # only a saving: the writer's automatic checkpoint remains
+
+
 def _is_busy(exc: BaseException) -> bool:
     """SQLITE_BUSY / SQLITE_LOCKED: another connection holds the lock; waiting may help."""
     return (isinstance(exc, sqlite3.OperationalError)
@@ -237,6 +283,13 @@ class StoreWriter:
                 self._con.close()
             self._lock.release()
             raise
+        self._commits = 0
+        self.checkpointer: Checkpointer | None = None
+        try:
+            self.checkpointer = Checkpointer(path)
+            self._con.execute(f"PRAGMA wal_autocheckpoint={WAL_LIMIT_PAGES}")
+        except sqlite3.Error:  # the writer's own automatic checkpoints then do it
+            pass
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._run, name="deepscope-writer", daemon=True)
         self._thread.start()
@@ -373,6 +426,8 @@ class StoreWriter:
                        "is off in the child: open a new Scope in it (its own run or rank) "
                        "to record there")
         _inherited.append(self._con)  # never closed here: closing could checkpoint the parent's
+        if self.checkpointer is not None:
+            _inherited.append(self.checkpointer.con)
         self._lock.release(unlock=False)
 
     # --- the writer thread ------------------------------------------------------------------
@@ -389,6 +444,10 @@ class StoreWriter:
                 self._kpis_alone(item)
             finally:
                 self._queue.task_done()
+            if self._commits % CHECKPOINT_COMMITS and self._queue.empty():
+                self._request_checkpoint()
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         try:
             self._con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         except sqlite3.Error:
@@ -509,6 +568,15 @@ class StoreWriter:
         if isinstance(item, StepPayload):
             self.committed_steps += 1
             self.last_committed = item.step
+        self._commits += 1
+        if self._commits % CHECKPOINT_COMMITS == 0:
+            self._request_checkpoint()
+
+    def _request_checkpoint(self) -> None:
+        """Have the checkpointer copy the WAL into the database (commits counted anew)."""
+        if self.checkpointer is not None:
+            self.checkpointer.request()
+        self._commits = 0
 
     def _kpi_rows(self, rows: list[tuple[str, int, str, Any]]) -> list[tuple]:
         """KPI rows as stored; a value that cannot be stored loses its own row only."""
