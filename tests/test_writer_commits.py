@@ -4,13 +4,15 @@ thread of their own; KPIs never lost when the step itself is not written."""
 from __future__ import annotations
 
 import sqlite3
+import threading
 import time
 
+import pytest
 import torch
 
 import deepscope
 from deepscope.store import writer as writer_module
-from deepscope.store.writer import StoreWriter
+from deepscope.store.writer import StepPayload, StoreWriter
 
 
 def record(scope: deepscope.Scope, steps: range) -> None:
@@ -26,9 +28,9 @@ def test_a_recorded_step_commits_its_kpis_in_its_own_transaction(tmp_path, monke
     items = []
     transaction = StoreWriter._transaction
 
-    def counting(self: StoreWriter, item: object, summary: object) -> None:
-        items.append(item)
-        transaction(self, item, summary)
+    def counting(self: StoreWriter, pairs: list) -> None:
+        items.extend(item for item, _ in pairs)
+        transaction(self, pairs)
 
     with deepscope.Scope(tmp_path, "r", schedule=2) as scope:
         scope.flush()  # the Scope's own start-up items are not counted
@@ -105,3 +107,71 @@ def test_checkpoints_run_beside_the_writer_not_in_its_commits(tmp_path, monkeypa
     assert not (tmp_path / "r" / "rank0.sqlite-wal").exists() or \
         (tmp_path / "r" / "rank0.sqlite-wal").stat().st_size == 0
     assert deepscope.open_run(tmp_path / "r").steps() == list(range(12))
+
+
+def hold_writer_in_step_0(monkeypatch) -> tuple[threading.Event, threading.Event, list]:
+    """The writer waits inside step 0 until released; returns (inside, release, the items of
+    each transaction)."""
+    inside, release, transactions = threading.Event(), threading.Event(), []
+    write, transaction = StoreWriter._write, StoreWriter._transaction
+
+    def held(self: StoreWriter, item: object) -> None:
+        if isinstance(item, StepPayload) and item.step == 0:
+            inside.set()
+            release.wait(60)
+        write(self, item)
+
+    def counting(self: StoreWriter, pairs: list) -> None:
+        transaction(self, pairs)  # counted once committed
+        transactions.append([i.step if isinstance(i, StepPayload) else type(i).__name__
+                             for i, _ in pairs])
+
+    monkeypatch.setattr(StoreWriter, "_write", held)
+    monkeypatch.setattr(StoreWriter, "_transaction", counting)
+    return inside, release, transactions
+
+
+def test_steps_queued_behind_each_other_share_one_commit_in_order(tmp_path, monkeypatch):
+    """Steps 1-3 wait behind step 0: one commit for them; the note queued after them, then
+    step 4, follow in order. Each step reads back whole."""
+    inside, release, transactions = hold_writer_in_step_0(monkeypatch)
+    with deepscope.Scope(tmp_path, "r", schedule=1) as scope:
+        record(scope, range(1))
+        assert inside.wait(60)
+        record(scope, range(1, 4))
+        scope.note("between")
+        record(scope, range(4, 5))
+        release.set()
+        scope.flush()
+        written = [t for t in transactions if t != ["_Status"]]
+    assert written == [[0], [1, 2, 3], ["_Note"], [4]]
+    run = deepscope.open_run(tmp_path / "r")
+    assert run.steps() == [0, 1, 2, 3, 4] and list(run.kpis("k")["step"]) == [0, 1, 2, 3, 4]
+    for step in run.steps():
+        assert (run.values("x", step, view="samples") == step).all()
+    assert list(run.notes()["text"]) == ["between"]
+
+
+def test_a_failing_step_in_a_group_is_skipped_alone(tmp_path, monkeypatch):
+    """Step 2 of the group 1-3 cannot be written: the group is rolled back and its steps
+    written one by one; step 2 alone is skipped (its KPIs kept), 1 and 3 are committed."""
+    inside, release, transactions = hold_writer_in_step_0(monkeypatch)
+    write_step = StoreWriter._write_step
+
+    def failing(self: StoreWriter, p: StepPayload, summary: object) -> None:
+        write_step(self, p, summary)
+        if p.step == 2:
+            raise sqlite3.IntegrityError("crafted failure")
+
+    monkeypatch.setattr(StoreWriter, "_write_step", failing)
+    with deepscope.Scope(tmp_path, "r", schedule=1) as scope:
+        record(scope, range(1))
+        assert inside.wait(60)
+        record(scope, range(1, 4))
+        release.set()
+        with pytest.raises(deepscope.RecordingError, match="step 2 skipped"):
+            scope.flush()
+        written = list(transactions)
+    assert written == [[0], [1], ["_Kpis"], [3]]  # step 2's KPIs in its place
+    run = deepscope.open_run(tmp_path / "r")
+    assert run.steps() == [0, 1, 3] and list(run.kpis("k")["step"]) == [0, 1, 2, 3]
