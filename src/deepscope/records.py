@@ -112,3 +112,6 @@ class StepPayload:
     quantities: list[QuantityValue] = field(default_factory=list)
     anomalies: list[tuple[int, str, str, float | None, float | None, str]] = field(
         default_factory=list)
+    # (name, step, kind, value) KPI rows committed with the step (those of the unrecorded
+    # steps since the last commit included): no commit of their own on recorded steps
+    kpis: list[tuple[str, int, str, Any]] = field(default_factory=list)

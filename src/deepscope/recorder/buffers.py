@@ -24,13 +24,24 @@ class BufferPool:
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A contiguous private copy of `tensor` (detached), from the pool when one fits."""
-        key = (tuple(tensor.shape), tensor.dtype, tensor.device)
+        return self.copy_all([tensor])[0]
+
+    def copy_all(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`copy` of each of `tensors`, in one batched copy (a torch op costs ~10 µs of
+        overhead on the CPU, more than copying a small tensor)."""
+        if not tensors:
+            return []
+        keys = [(tuple(t.shape), t.dtype, t.device) for t in tensors]
         with self._lock:
-            spare = self._free.get(key)
-            buf = spare.pop() if spare else None
-        if buf is None:
-            buf = torch.empty(key[0], dtype=tensor.dtype, device=tensor.device)
-        return buf.copy_(tensor.detach())
+            bufs = []
+            for key in keys:
+                spare = self._free.get(key)
+                bufs.append(spare.pop() if spare else None)
+        bufs = [torch.empty(key[0], dtype=key[1], device=key[2]) if buf is None else buf
+                for key, buf in zip(keys, bufs)]
+        with torch.no_grad():  # the copies are not part of the user's graph
+            torch._foreach_copy_(bufs, tensors)
+        return bufs
 
     def release(self, buffers: list[torch.Tensor]) -> None:
         """Hand buffers back once nothing reads them any more."""

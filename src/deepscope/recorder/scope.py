@@ -449,8 +449,6 @@ class Scope:
             kpis.append(("learning_rate", self._step_lr))
         # The kind may have been decided during the step (dynamic recording).
         self._kpi_rows.extend((n, outcome.step, outcome.kind, v) for n, v in kpis)
-        if outcome.recorded or time.monotonic() - self._kpi_sent > KPI_FLUSH_SECONDS:
-            self._send_kpis()
         findings = self._check_health(outcome.step)
         quantities = []
         if outcome.instrumented:
@@ -470,10 +468,18 @@ class Scope:
             payload = self._guard(outcome.payload)
             if payload is not _FAILED:
                 payload.quantities = quantities
-                self.writer.submit_step(payload)
+                # the KPIs so far ride in the step's own commit (not one of their own)
+                payload.kpis, self._kpi_rows = self._kpi_rows, []
+                if self.writer.submit_step(payload):
+                    self._kpi_sent = time.monotonic()
+                else:  # dropped (queue full): its KPIs are still stored
+                    self._kpi_rows = payload.kpis
                 submitted = True
         if not submitted:
             self.writer.submit_quantities(quantities)
+        if self._kpi_rows and (outcome.recorded
+                               or time.monotonic() - self._kpi_sent > KPI_FLUSH_SECONDS):
+            self._send_kpis()
         # Last: the step is queued before the user's callback may stop training.
         self._call_on_anomaly(findings)
 

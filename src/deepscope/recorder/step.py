@@ -367,7 +367,7 @@ class StepRecorder:
                                            str(tensor.dtype).replace("torch.", ""),
                                            batch_dim)
         self._named.append(Named.of(name, it, tensor, role, node))
-        self._record_values(name, "forward", it, tensor, batch_dim)
+        self._record_values([(name, "forward", it, tensor, batch_dim)])
         if tensor.requires_grad:
             self._hooks.append(tensor.register_hook(self._grad_hook(name, it)))
 
@@ -384,22 +384,29 @@ class StepRecorder:
         prev = self._grads.get(key)
         self._grads[key] = grad.detach() if prev is None else prev + grad.detach()
 
-    def _record_values(self, name: str, direction: str, iteration: int, tensor: torch.Tensor,
-                       batch_dim: int | None) -> None:
+    def _record_values(self, records: list[tuple[str, str, int, torch.Tensor, int | None]]
+                       ) -> None:
+        """Capture (name, direction, iteration, tensor, batch_dim) records, their copies
+        taken together."""
         # A copy, because the user may change the tensor in place later in the step (inplace
         # ReLU, optimizer.step, zero_grad); statistics are computed off the training thread.
         # The same tensor under a second name (a container module's output is its last
         # child's) shares the first one's copy.
-        key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device,
-               tensor._version, direction, batch_dim)
-        if key not in self._copies:  # holding `tensor` keeps its memory ours during the step
-            self._copies[key] = (tensor, self._ctx.buffers.copy(tensor))
-        copy = self._copies[key][1]
-        self._captures.append(Capture(name, direction, iteration, copy, batch_dim,
-                                      self._infos[name].role == "parameter"))
+        keys = [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version, direction,
+                 batch_dim) for _, direction, _, t, batch_dim in records]
+        new = {key: t for key, (_, _, _, t, _) in zip(keys, records) if key not in self._copies}
+        # holding the tensor keeps its memory ours during the step
+        for (key, t), copy in zip(new.items(), self._ctx.buffers.copy_all(list(new.values()))):
+            self._copies[key] = (t, copy)
+        infos = self._infos
+        self._captures.extend(
+            Capture(name, direction, it, self._copies[key][1], batch_dim,
+                    infos[name].role == "parameter")
+            for (name, direction, it, _, batch_dim), key in zip(records, keys))
 
     def _start(self) -> None:
         """Called on entry of a recorded step: parameter values and gradient hooks."""
+        records = []
         for name, p in self._ctx.params.items():
             if reason := unrecordable(p):  # one warning for all of a sharded model's
                 self._ctx.warn_once(SHARDS_NOT_RECORDED if is_dtensor(p) else
@@ -409,9 +416,10 @@ class StepRecorder:
             self._infos[name] = TensorInfo(name, "parameter", node, role_in_node,
                                            list(p.shape), str(p.dtype).replace("torch.", ""),
                                            None)
-            self._record_values(name, "forward", 0, p, None)
+            records.append((name, "forward", 0, p, None))
             if p.requires_grad:
                 self._hooks.append(p.register_hook(self._grad_hook(name, 0)))
+        self._record_values(records)
 
     def _graph_key(self) -> tuple:
         return (self.kind, tuple((r.name, r.iteration, tuple(r.tensor.shape))
@@ -438,8 +446,8 @@ class StepRecorder:
         return cached
 
     def _snapshot_grads(self, direction: str) -> None:
-        for (name, it), grad in list(self._grads.items()):
-            self._record_values(name, direction, it, grad, self._infos[name].batch_dim)
+        self._record_values([(name, direction, it, grad, self._infos[name].batch_dim)
+                             for (name, it), grad in self._grads.items()])
 
     def _remove_hooks(self) -> None:
         for h in self._hooks:

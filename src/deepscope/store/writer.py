@@ -1,12 +1,14 @@
-"""The write path: a background thread that commits one transaction per step.
+"""The write path: a background thread that commits each step whole in one transaction.
 
 The training thread only builds payloads (device tensors included) and puts them on a bounded
 queue; the writer copies them to the host, encodes and compresses them (zlib runs without the
-GIL, beside training) and commits. A full queue either blocks the trainer (back-pressure, the
-default) or drops whole steps with a counted warning. A failing disk disables recording with
-one warning; what was committed stays readable. A step whose own data cannot be written is
-skipped alone; another program holding the database lock is waited for (with back-off), then
-steps are skipped until it lets go.
+GIL, beside training) and commits: one transaction per step, with its KPIs, or one for the
+steps queued behind each other when it has fallen behind; checkpoints run on a thread of their
+own. A full queue either blocks the trainer (back-pressure, the default) or drops whole steps
+with a counted warning. A failing disk disables recording with one warning; what was
+committed stays readable. A step whose own data cannot be written is skipped alone; another
+program holding the database lock is waited for (with back-off), then steps are skipped until
+it lets go.
 
 One writer per run and rank: an OS lock on `rankN.sqlite.lock` (released by the kernel when
 its holder dies, even by kill -9). The lock file also holds the run id, repeated in `meta` by
@@ -15,6 +17,7 @@ every transaction, so a `-wal` file of another database cannot pass as this run'
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -49,6 +52,17 @@ log = logging.getLogger("deepscope")
 LOCK_WAIT_SECONDS = 30.0
 LOCK_PROBE_SECONDS = 1.0
 _BUSY_TIMEOUT_SECONDS = 0.05  # SQLite's own wait per attempt; the back-off is ours
+# A checkpoint (the WAL copied into the database, with an fsync of each) costs tens of ms on a
+# busy disk, paid by the commit that triggers it: the writer's commits do not checkpoint, a
+# thread of their own does, every CHECKPOINT_COMMITS commits and whenever the writer's queue
+# runs empty (caught up then, the WAL starts over at the next commit). SQLite's automatic
+# checkpoint on the writer's connection stays, should the WAL outgrow WAL_LIMIT_PAGES while
+# the writer never rests.
+CHECKPOINT_COMMITS = 16
+WAL_LIMIT_PAGES = 4096
+# Steps already queued one after another when the writer takes the first are committed
+# together, at most this many: a writer fallen behind catches up with one commit for them.
+MAX_GROUP = 8
 _LOCKED = ("another program has held the write lock of {path} too long; {what} and later "
            "items are skipped until it lets go (training continues)")
 _live_writers: weakref.WeakSet = weakref.WeakSet()
@@ -152,6 +166,44 @@ class RunLock:
             self.fd = None
 
 
+class Checkpointer:
+    """Copies a database's WAL into it on a thread and connection of its own: PASSIVE
+    checkpoints, which never wait for nor block the writer or readers. Crash safety is
+    SQLite's: a checkpoint cut short by kill -9 loses nothing committed."""
+
+    def __init__(self, path: Path) -> None:
+        self.con = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self.checkpoints = 0  # checkpoints run so far
+        self._due = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="deepscope-checkpoint",
+                                        daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        """Ask for a checkpoint soon (requests while one runs are merged)."""
+        self._due.set()
+
+    def close(self) -> None:
+        """Stop the thread (a running checkpoint finishes first) and close the connection."""
+        self._stopping = True
+        self._due.set()
+        self._thread.join()
+        self.con.close()
+
+    def _run(self) -> None:
+        while True:
+            self._due.wait()
+            self._due.clear()
+            if self._stopping:
+                return
+            try:
+                self.con.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                self.checkpoints += 1
+            except sqlite3.Error:
+                pass  # only a saving: the writer's automatic checkpoint remains
+
+
 def _is_busy(exc: BaseException) -> bool:
     """SQLITE_BUSY / SQLITE_LOCKED: another connection holds the lock; waiting may help."""
     return (isinstance(exc, sqlite3.OperationalError)
@@ -237,6 +289,13 @@ class StoreWriter:
                 self._con.close()
             self._lock.release()
             raise
+        self._commits = 0
+        self.checkpointer: Checkpointer | None = None
+        try:
+            self.checkpointer = Checkpointer(path)
+            self._con.execute(f"PRAGMA wal_autocheckpoint={WAL_LIMIT_PAGES}")
+        except sqlite3.Error:  # the writer's own automatic checkpoints then do it
+            pass
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._run, name="deepscope-writer", daemon=True)
         self._thread.start()
@@ -373,21 +432,42 @@ class StoreWriter:
                        "is off in the child: open a new Scope in it (its own run or rank) "
                        "to record there")
         _inherited.append(self._con)  # never closed here: closing could checkpoint the parent's
+        if self.checkpointer is not None:
+            _inherited.append(self.checkpointer.con)
         self._lock.release(unlock=False)
 
     # --- the writer thread ------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             item = self._queue.get()
+            group = [item]
+            if isinstance(item, StepPayload):  # the steps queued right behind it (read only:
+                with self._queue.mutex:        # they keep their queue slots until written)
+                    for nxt in itertools.islice(self._queue.queue, MAX_GROUP - 1):
+                        if not isinstance(nxt, StepPayload):
+                            break
+                        group.append(nxt)
             try:
                 if item is _STOP:
                     break
-                if not self.failed:
+                if self.failed:
+                    pass
+                elif len(group) > 1:
+                    self._write_steps(group)
+                else:
                     self._write(item)
             except Exception as exc:  # never kill the training
                 self._fail(item, exc)
+                self._kpis_alone(item)
             finally:
-                self._queue.task_done()
+                for _ in group[1:]:  # this thread alone takes items: these are next
+                    self._queue.get_nowait()
+                for _ in group:
+                    self._queue.task_done()
+            if self._commits % CHECKPOINT_COMMITS and self._queue.empty():
+                self._request_checkpoint()
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         try:
             self._con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         except sqlite3.Error:
@@ -419,12 +499,56 @@ class StoreWriter:
             self._reported.add(key)
             log.warning("deepscope: %s", warning.format(what=what, key=key, path=self.path))
 
+    def _kpis_alone(self, item: Any) -> None:
+        """A step not written loses its data only: the KPIs it carried get their own commit."""
+        if isinstance(item, StepPayload) and item.kpis and not self.failed:
+            kpis = _Kpis(item.kpis)
+            try:
+                self._write(kpis)
+            except Exception as exc:  # noqa: BLE001 - never kill the training
+                self._fail(kpis, exc)
+
     def _write(self, item: Any) -> None:
         summary = self._summarise(item) if isinstance(item, StepPayload) else None
         if isinstance(item, StepPayload) and summary is None:
+            self._kpis_alone(item)
             return
         if isinstance(item, _Kpis):  # once, before any retry
             item = _Kpis(self._kpi_rows(item.rows))
+        elif isinstance(item, StepPayload) and item.kpis:
+            item.kpis = self._kpi_rows(item.kpis)
+        self._commit(item, summary)
+
+    def _write_steps(self, steps: list[StepPayload]) -> None:
+        """Consecutive queued steps in one commit: the pages they share (the last leaves of
+        each table) are written once. Any failure (a locked database, one step's bad data,
+        the disk) rolls the group back and writes each step alone, as if never grouped;
+        either way a step is committed whole or not at all."""
+        ready = []
+        for p in steps:
+            summary = self._summarise(p)
+            if summary is None:
+                self._kpis_alone(p)
+                continue
+            p.kpis = self._kpi_rows(p.kpis)
+            ready.append((p, summary))
+        if len(ready) > 1:
+            try:
+                self._transaction(ready)
+                return
+            except Exception:  # noqa: BLE001 - each step again, alone, says what failed
+                pass
+        for p, summary in ready:
+            if self.failed:
+                return
+            try:
+                self._commit(p, summary)
+            except Exception as exc:  # never kill the training
+                self._fail(p, exc)
+                self._kpis_alone(p)
+
+    def _commit(self, item: Any, summary: StepSummary | None) -> None:
+        """Commit one item, waiting (with back-off) for another program's lock."""
         delay = 0.01
         while True:
             now = time.monotonic()
@@ -433,7 +557,7 @@ class StoreWriter:
                 self._skip(item, "database locked", _LOCKED)
                 return
             try:
-                self._transaction(item, summary)
+                self._transaction([(item, summary)])
             except sqlite3.OperationalError as exc:
                 if not _is_busy(exc):
                     raise
@@ -454,7 +578,8 @@ class StoreWriter:
             self._busy_since = None
             return
 
-    def _transaction(self, item: Any, summary: StepSummary | None) -> None:
+    def _transaction(self, items: list[tuple[Any, StepSummary | None]]) -> None:
+        """Write (item, its summary) pairs in one transaction."""
         con = self._con
         try:  # deleted or replaced under us: writing on would go into a file nobody sees
             gone = os.stat(self.path).st_ino != self._inode
@@ -465,25 +590,8 @@ class StoreWriter:
                            "into a new run")
         con.execute("BEGIN IMMEDIATE")
         try:
-            if isinstance(item, StepPayload):
-                self._write_step(item, summary)
-            elif isinstance(item, _Kpis):
-                con.executemany("INSERT OR REPLACE INTO kpis VALUES (?, ?, ?, ?)", item.rows)
-            elif isinstance(item, _Note):
-                con.execute("INSERT INTO notes (wall_time, step, text) VALUES (?, ?, ?)",
-                            (item.wall_time, item.step, item.text))
-            elif isinstance(item, _Quantities):
-                self._write_quantities(item.values)
-            elif isinstance(item, _Anomalies):
-                self._write_anomalies(item.rows)
-            elif isinstance(item, _Warnings):
-                self._write_warnings(item.warnings)
-            elif isinstance(item, _Status):
-                con.execute("INSERT OR REPLACE INTO meta VALUES ('status', ?)",
-                            (json.dumps(item.status),))
-            elif isinstance(item, _Meta):
-                con.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
-                                [(k, json.dumps(v)) for k, v in item.values.items()])
+            for item, summary in items:
+                self._write_item(item, summary)
             # Every transaction repeats the run id: the last commit in a -wal file then says
             # which database the file belongs to (checked against the lock file on open).
             con.execute("INSERT OR REPLACE INTO meta VALUES ('run_id', ?)",
@@ -493,9 +601,41 @@ class StoreWriter:
             if con.in_transaction:  # SQLite itself rolls back on SQLITE_FULL / IOERR
                 con.execute("ROLLBACK")
             raise
+        for item, _ in items:
+            if isinstance(item, StepPayload):
+                self.committed_steps += 1
+                self.last_committed = item.step
+        self._commits += 1
+        if self._commits % CHECKPOINT_COMMITS == 0:
+            self._request_checkpoint()
+
+    def _write_item(self, item: Any, summary: StepSummary | None) -> None:
+        con = self._con
         if isinstance(item, StepPayload):
-            self.committed_steps += 1
-            self.last_committed = item.step
+            self._write_step(item, summary)
+        elif isinstance(item, _Kpis):
+            con.executemany("INSERT OR REPLACE INTO kpis VALUES (?, ?, ?, ?)", item.rows)
+        elif isinstance(item, _Note):
+            con.execute("INSERT INTO notes (wall_time, step, text) VALUES (?, ?, ?)",
+                        (item.wall_time, item.step, item.text))
+        elif isinstance(item, _Quantities):
+            self._write_quantities(item.values)
+        elif isinstance(item, _Anomalies):
+            self._write_anomalies(item.rows)
+        elif isinstance(item, _Warnings):
+            self._write_warnings(item.warnings)
+        elif isinstance(item, _Status):
+            con.execute("INSERT OR REPLACE INTO meta VALUES ('status', ?)",
+                        (json.dumps(item.status),))
+        elif isinstance(item, _Meta):
+            con.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                            [(k, json.dumps(v)) for k, v in item.values.items()])
+
+    def _request_checkpoint(self) -> None:
+        """Have the checkpointer copy the WAL into the database (commits counted anew)."""
+        if self.checkpointer is not None:
+            self.checkpointer.request()
+        self._commits = 0
 
     def _kpi_rows(self, rows: list[tuple[str, int, str, Any]]) -> list[tuple]:
         """KPI rows as stored; a value that cannot be stored loses its own row only."""
@@ -564,6 +704,7 @@ class StoreWriter:
                         [(p.step, i, h) for i, h in p.iteration_graphs])
         self._write_quantities(p.quantities)
         self._write_anomalies(p.anomalies)
+        con.executemany("INSERT OR REPLACE INTO kpis VALUES (?, ?, ?, ?)", p.kpis)
         # The steps row last: a reader that sees it sees the whole step (same transaction anyway).
         # Plain INSERT: a committed step is never rewritten (a second writer's or a resumed
         # run's step number that exists fails here, and only that step is skipped).

@@ -1,0 +1,34 @@
+"""The recorder's private copies (`BufferPool`): exact, detached, contiguous, reused, and
+taken together in one batched copy for a list of tensors of any dtypes, layouts and shapes."""
+
+from __future__ import annotations
+
+import torch
+
+from deepscope.recorder.buffers import BufferPool
+
+
+def test_copies_of_mixed_tensors_are_exact_private_and_detached():
+    pool = BufferPool()
+    w = torch.randn(3, 4, requires_grad=True)
+    tensors = [w, w * 2, torch.arange(6).reshape(2, 3).t(), torch.ones(1).expand(5),
+               torch.randn(2, dtype=torch.bfloat16), torch.tensor(True)]
+    copies = pool.copy_all(tensors)
+    for t, c in zip(tensors, copies):
+        assert torch.equal(c, t.detach()) and c.dtype == t.dtype and c.shape == t.shape
+        assert c.is_contiguous() and not c.requires_grad and c.grad_fn is None
+        assert c.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    with torch.no_grad():
+        w.add_(1)  # the user's in-place change after the copy does not reach it
+    assert torch.equal(copies[0] + 1, w.detach())
+    assert pool.copy_all([]) == []
+
+
+def test_released_buffers_are_reused_by_the_next_copy():
+    pool = BufferPool()
+    first = pool.copy_all([torch.zeros(4, 5), torch.zeros(3)])
+    pool.release(first)
+    again = pool.copy_all([torch.ones(3), torch.ones(4, 5)])
+    assert {id(t) for t in again} == {id(t) for t in first}
+    assert torch.equal(again[0], torch.ones(3)) and torch.equal(again[1], torch.ones(4, 5))
+    assert torch.equal(pool.copy(torch.full((2,), 7.0)), torch.full((2,), 7.0))
