@@ -1,6 +1,7 @@
 """Paired A/B of the recorder on every step: what recording costs the MLP loop of issue #19.
 
     PYTHONPATH=src python benchmarks/recorder_loop.py [--rounds 7] [--block 10] [--json]
+    PYTHONPATH=src python benchmarks/recorder_loop.py --repeats 5 [--quick]   # run.py's group
 
 The loop is `workload.py`'s `deepscope:mlp:named4` (MLP 784-256-256-10, batch 128, SGD, one
 torch thread): `Scope(schedule=every(1), max_samples=4)`, `watch(model, optimizer=opt)`
@@ -86,7 +87,18 @@ def measure(rounds: int = 7, block: int = 10, warmup_rounds: int = 2) -> dict[st
         "recorded_ms": {c: 1e3 * statistics.median(t[c] for t in rec) for c in CLOCKS}}
     for c in CLOCKS:
         out[f"ratio_{c}"] = _summary([r[c] / p[c] for r, p in zip(rec, plain)])
+    out["ratios_wall"] = [r["wall"] / p["wall"] for r, p in zip(rec, plain)]
     return out
+
+
+def script_record(result: dict) -> dict[str, object]:
+    """`measure`'s result in run.py's script-group protocol (one row per arm, the wall-time
+    ratio of every round)."""
+    return {"rows": [
+        {"label": "plain", "ms": result["plain_ms"]["wall"],
+         "ratios": [1.0] * len(result["ratios_wall"])},
+        {"label": "recorded every step", "ms": result["recorded_ms"]["wall"],
+         "ratios": result["ratios_wall"]}]}
 
 
 def describe(result: dict) -> str:
@@ -107,11 +119,21 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds (default 7, >= 5)")
     parser.add_argument("--block", type=int, default=10, help="steps per turn (default 10)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="run.py's script-group protocol: this many rounds, one JSON line")
+    parser.add_argument("--quick", action="store_true", help="2 short rounds (a smoke test)")
     args = parser.parse_args(argv)
+    if args.repeats is not None:
+        args.rounds = args.repeats
+    if args.quick:
+        args.rounds, args.block = 2, 2
     if args.rounds < 1 or args.block < 1:
-        parser.error("--rounds and --block must be >= 1")
-    result = measure(args.rounds, args.block)
-    print(json.dumps(result) if args.json else describe(result))
+        parser.error("--rounds, --repeats and --block must be >= 1")
+    result = measure(args.rounds, args.block, warmup_rounds=1 if args.quick else 2)
+    if args.repeats is not None or args.quick:
+        print(json.dumps(script_record(result)))
+    else:
+        print(json.dumps(result) if args.json else describe(result))
     return result
 
 

@@ -263,6 +263,12 @@ SCRIPT_GROUPS: tuple[ScriptGroup, ...] = (
                      "2048), T=64, B=16"),
     real_model_group("cnn", "Instruments — ResNet-style CNN (16-32-64), 32×32, B=32"),
     real_model_group("lstm", "Instruments — LSTM language model (2048 × 128 → 256), T=64, B=16"),
+    ScriptGroup("recorder-loop", "Recorder every step — MLP 784-256-256-10, batch 128, 4 named "
+                "activations, parameters and gradients, 4 samples, writer drained every turn",
+                "recorder_loop.py", (), (("recorded every step", ratio_target(2.0)),),
+                "`benchmarks/recorder_loop.py`: plain and recorded turns of 10 steps take turns "
+                "in one process on models sharing parameters; × plain: wall-time ratio per "
+                "round (brackets: lowest and highest round)."),
 )
 
 

@@ -29,3 +29,7 @@ def test_recorder_loop_returns_ratios_for_every_clock() -> None:
         assert math.isfinite(s["median"]) and s["median"] > 0
         assert result["plain_ms"][clock] > 0 and result["recorded_ms"][clock] > 0
     assert "target: 2.0x wall" in module.describe(result)
+    record = module.script_record(result)  # run.py's "recorder-loop" group reads this
+    assert [row["label"] for row in record["rows"]] == ["plain", "recorded every step"]
+    assert record["rows"][1]["ratios"] == result["ratios_wall"]
+    assert len(record["rows"][1]["ratios"]) == 2
