@@ -79,29 +79,12 @@ def figure(page, graph_id: str) -> dict:
 
 
 def wait_figure(page, graph_id: str, condition: str) -> dict:
-    """Wait until `condition` (JS over `gd`) holds for a chart, and return it. A chart kept
-    blank ("stale") until scrolled to (a dashboard's charts below the window) is scrolled to."""
+    """Wait until `condition` (JS over `gd`) holds for a chart, and return it."""
     page.wait_for_function(f"""(() => {{
         const el = document.getElementById('{graph_id}');
         const gd = el && el.querySelector('.js-plotly-plot');
-        if (el && el.classList.contains('stale')) {{ el.scrollIntoView({{block: 'nearest'}}); }}
-        return gd && gd.layout && !el.classList.contains('stale') && ({condition}); }})()""",
-                           timeout=20_000)
+        return gd && gd.layout && ({condition}); }})()""", timeout=20_000)
     return figure(page, graph_id)
-
-
-def draw_all(page) -> None:
-    """Draw every chart kept until scrolled to (before a screenshot of the whole page), and
-    wait until plotly drew them."""
-    page.evaluate("""() => new Promise((resolve) => {
-        const kept = [...document.querySelectorAll('.stale .js-plotly-plot')];
-        let left = kept.length;
-        const done = () => { left -= 1; if (left <= 0) { resolve(); } };
-        kept.forEach((gd) => gd.once('plotly_afterplot', done));
-        setTimeout(resolve, 15000);
-        if (!left) { resolve(); }
-        window.deepscope.drawAll();
-    })""")
 
 
 def pick(page, dropdown_id: str, label: str) -> None:
@@ -207,7 +190,6 @@ def test_instruments_tab_shows_the_dashboard(page) -> None:
     wait_figure(page, "inst-gradnorm", "gd.data.length && gd.data[0].y[1] > "
                 f"{norm['data'][0]['y'][1] + 1e-9}")
     page.mouse.move(0, 0)  # no hover toolbar in the picture
-    draw_all(page)
     page.screenshot(path=str(IMG / "instruments.png"), full_page=True)
 
 

@@ -57,8 +57,7 @@ def register_panes(app: dash.Dash, tabs: Sequence[Tab]) -> None:
     """Show the chosen tab's pane, hide the others; in the browser, no request."""
     values = [t.value for t in tabs]
     app.clientside_callback(
-        # then draw the charts kept for when their pane is shown (widgets.lazy_figures)
-        f"function (shown) {{ window.deepscope.drawShown(); return {json.dumps(values)}.map("
+        f"function (shown) {{ return {json.dumps(values)}.map("
         "(v) => v === shown ? 'pane' : 'pane pane-hidden'); }",
         [Output(pane_id(v), "className") for v in values], Input(ids.TABS, "value"),
         prevent_initial_call=True)

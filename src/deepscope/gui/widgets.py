@@ -31,12 +31,11 @@ def chart(id_: str, height: int = 260) -> dcc.Graph:
                      figure={"data": [], "layout": {"height": height}})
 
 
-def lazy_figures(app: dash.Dash, store: str, charts: Sequence[str]) -> None:
-    """The charts `charts` take their figures from the store `store` ({chart id: figure}):
-    those on screen at once, the others when scrolled near the window or shown (in the
-    browser, assets/app.js): updating a long dashboard draws only what can be seen."""
+def store_figures(app: dash.Dash, store: str, charts: Sequence[str]) -> None:
+    """The charts `charts` take their figures from the store `store` ({chart id: figure}) in
+    the browser (assets/app.js): one server answer updates them all."""
     app.clientside_callback(
-        "function (figures) { return window.deepscope.lazyFigures("
+        "function (figures) { return window.deepscope.figuresOf("
         f"{json.dumps(list(charts))}, figures); }}",
         [Output(c, "figure") for c in charts], Input(store, "data"), prevent_initial_call=True)
 

@@ -61,60 +61,11 @@ document.addEventListener("keydown", function (event) {
     });
 })();
 
-// Charts of a long dashboard (the Instruments tab) are drawn when they come near the window,
-// not all at once: a run switch then draws what can be seen (Plotly takes 20-50 ms a chart
-// here). `deepscope.lazyFigures(ids, figures)` is a clientside callback's body (see
-// widgets.lazy_figures): it hands each chart on screen its figure now and keeps the others'
-// until the page is scrolled towards them (half a window ahead), their tab is shown, or the
-// page is printed (`drawAll`). A kept chart is blanked (class "stale"): it never shows the
-// previous run's numbers.
-window.deepscope = (function () {
-    var pending = {};  // chart id -> its newest figure, not drawn yet
-    function onScreen(el, ahead) {
-        if (el.closest(".pane-hidden")) { return false; }
-        var box = el.getBoundingClientRect();
-        var margin = ahead * window.innerHeight;
-        return box.bottom > -margin && box.top < window.innerHeight + margin;
+// The Instruments tab's charts take their figures from one store ({chart id: figure}, see
+// widgets.store_figures): a chart missing from it keeps what it shows.
+window.deepscope = {
+    figuresOf: function (ids, figures) {
+        var skip = window.dash_clientside.no_update;
+        return ids.map(function (id) { return figures && id in figures ? figures[id] : skip; });
     }
-    function draw(all, ahead) {
-        Object.keys(pending).forEach(function (id) {
-            var el = document.getElementById(id);
-            if (el && (all || onScreen(el, ahead))) {
-                var figure = pending[id];
-                delete pending[id];
-                el.classList.remove("stale");
-                window.dash_clientside.set_props(id, {figure: figure});
-            }
-        });
-    }
-    var queued = false;
-    function drawShown(ahead) {  // at most once a frame
-        if (queued || !Object.keys(pending).length) { return; }
-        queued = true;
-        requestAnimationFrame(function () { queued = false; draw(false, ahead || 0); });
-    }
-    function drawAhead() { drawShown(0.5); }  // scrolling: what is half a window ahead
-    window.addEventListener("scroll", drawAhead, {passive: true});
-    window.addEventListener("resize", drawAhead);
-    function drawAll() { draw(true); }
-    window.addEventListener("beforeprint", drawAll);
-    return {
-        drawShown: drawShown,
-        drawAll: drawAll,
-        lazyFigures: function (ids, figures) {
-            var skip = window.dash_clientside.no_update;
-            return ids.map(function (id) {
-                var el = document.getElementById(id);
-                if (!figures || !(id in figures)) { return skip; }
-                if (!el || onScreen(el, 0)) {
-                    delete pending[id];
-                    if (el) { el.classList.remove("stale"); }
-                    return figures[id];
-                }
-                pending[id] = figures[id];
-                el.classList.add("stale");
-                return skip;
-            });
-        }
-    };
-})();
+};

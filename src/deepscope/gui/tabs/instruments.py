@@ -20,7 +20,7 @@ from ..axes import series_figure
 from ..data import ProjectData, RunData
 from ..figures import Figure, base_layout, line_trace, message_figure, note
 from ..guard import contained, error_box, error_figure
-from ..widgets import chart, dropdown, labelled, lazy_figures
+from ..widgets import chart, dropdown, labelled, store_figures
 from . import Tab, gate
 
 VALUE = "instruments"
@@ -28,7 +28,7 @@ MAX_HIST_STEPS = 300  # columns of the gradient-histogram heatmap; more steps ar
 MAX_HIST_BINS = 400   # rows of the common grid (the finest recorded bin width, up to this)
 DRAWN = "inst-drawn"  # store: the run, layer and run version the panels show
 SHOWN = "inst-in"     # store: [run, slow version] while the tab is shown (`tabs.gate`)
-FIGURES = "inst-figures"  # store: {chart id: figure}, drawn as they come near the window
+FIGURES = "inst-figures"  # store: {chart id: figure} (widgets.store_figures)
 
 
 @dataclass(frozen=True)
@@ -192,8 +192,7 @@ def layout(_run_options: list[dict[str, str]]) -> html.Div:
         sections.append(html.Section([
             html.H2(title),
             html.Div(id=f"inst-warnings-{i}", className="inst-warnings"),  # beside the charts
-            # each chart in a box of its height: the page knows where every chart sits
-            # before plotly has drawn any (charts below the window are drawn when scrolled to)
+            # each chart in a box of its height: the page does not jump while plotly draws
             html.Div([html.Div(chart(f"inst-{k}", PANELS[k].height),
                                style={"height": f"{PANELS[k].height}px"}) for k in keys],
                      className="panel-grid"),
@@ -220,11 +219,10 @@ def register(app: dash.Dash, project: ProjectData) -> None:
     The layer choices, all panels and the warnings are one callback: one request and one
     render pass per change (one request per panel made the browser's rendering, not the
     server, the bottleneck); a panel that fails still shows its own error. Coming back to
-    the tab with nothing changed asks nothing: the charts keep their figures. The browser
-    draws the charts on screen first, the others when scrolled to (`lazy_figures`).
+    the tab with nothing changed asks nothing: the charts keep their figures.
     """
     gate(app, VALUE, SHOWN, (ids.RUN, "value"), (ids.VERSION_SLOW, "data"))
-    lazy_figures(app, FIGURES, [f"inst-{k}" for k in PANELS])
+    store_figures(app, FIGURES, [f"inst-{k}" for k in PANELS])
 
     @app.callback(Output("inst-layer", "options"), Output("inst-layer", "value"),
                   Output(FIGURES, "data"),
