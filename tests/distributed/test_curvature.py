@@ -73,6 +73,7 @@ def as_json(curvature, failed) -> dict:
         "traces": curvature["traces"].tolist() if "traces" in curvature else None,
         "diagonal": torch.cat([d.reshape(-1) for d in diagonal]).tolist() if diagonal else None,
         "max_ev": curvature["max_ev"][0] if "max_ev" in curvature else None,
+        "max_ev_meta": curvature["max_ev"][1] if "max_ev" in curvature else None,
         "meta": curvature.get("diagonal_meta"), "failed": failed,
     }
 
@@ -189,9 +190,11 @@ def test_curvature_over_the_global_batch(tmp_path):
                     errors["HessMaxEV"] = max(errors.get("HessMaxEV", 0.0),
                                               rel_error(got["max_ev"], want["max_ev"]),
                                               rel_error(got["max_ev"], dense["max_ev"]))
-                    # one all-reduce per Lanczos iteration (min(lanczos_iter, D) = D), none
-                    # for the diagonal: its partials travel in the caller's call
-                    assert got["calls"] == len(dense["diagonal"])
+                    # one all-reduce per Lanczos iteration (at most min(lanczos_iter, D) =
+                    # D; fewer once converged, at the same one on both ranks: compared
+                    # above), none for the diagonal: its partials travel in the caller's call
+                    assert got["max_ev_meta"]["converged"]
+                    assert got["calls"] == got["max_ev_meta"]["samples"] <= len(dense["diagonal"])
                 else:
                     assert got["calls"] == 0
                 if case == "exact":
