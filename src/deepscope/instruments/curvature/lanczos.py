@@ -54,7 +54,7 @@ class LanczosRun:
         iterations: Lanczos steps taken (HVPs).
         residual: ‖H y − θ y‖ of the top Ritz pair (θ, y): some eigenvalue of H lies
             within it of θ (NaN after a NaN product).
-        converged: whether residual <= tol · |θ| (with tol 0: only on a full basis).
+        converged: whether the test of `tol` passed (with tol 0: only on a full basis).
     """
 
     estimates: dict[str, Estimate]
@@ -77,10 +77,11 @@ def lanczos_iterations(op: LinearOperator, num_iter: int, generator: torch.Gener
             in equal parts (as unit vectors) with the seeded Gaussian start, so the start
             keeps a random vector's share of every eigendirection and never lies in a
             deficient subspace, whatever `start` is.
-        tol: stop early once the top Ritz pair's residual ‖H y − θ y‖ = β_j |s_j| (read
-            off the tridiagonal T) is at most tol · |θ|: then an eigenvalue of H lies within
-            tol · |θ| of θ, and θ's error is about residual² / gap, far smaller. 0: run all
-            min(num_iter, D) steps.
+        tol: stop early once the top Ritz value θ changed by at most tol · |θ| over the
+            last iteration and the top Ritz pair's residual ‖H y − θ y‖ = β_j |s_j| (read
+            off the tridiagonal T) is at most √tol · |θ| (which keeps a plateau of θ in a
+            dense spectrum from passing for convergence: some eigenvalue of H lies within
+            the residual of θ). 0: run all min(num_iter, D) steps.
     """
     steps = min(check_int("num_iter", num_iter, 1), op.dim)
     basis = torch.zeros(steps, op.dim, dtype=op.dtype, device=op.device)
@@ -110,9 +111,11 @@ def lanczos_iterations(op: LinearOperator, num_iter: int, generator: torch.Gener
         if betas:
             w.sub_(basis[j - 1], alpha=betas[-1])
         beta = _orthogonalise(w, basis[: j + 1])
+        previous = ritz[-1]
         ritz, vectors = _ritz(alphas, betas)
         residual = beta * abs(float(vectors[-1, -1]))
-        if j == steps - 1 or (tol > 0 and residual <= tol * abs(ritz[-1])):
+        converged = _converged(ritz[-1], previous, residual, tol)
+        if j == steps - 1 or converged:
             break
         scale = max(scale, abs(alphas[-1]) + beta)
         if beta > eps * scale:
@@ -124,11 +127,16 @@ def lanczos_iterations(op: LinearOperator, num_iter: int, generator: torch.Gener
             basis[j + 1] = _random_unit(op, generator, basis[: j + 1])
         betas.append(beta)
     used = len(alphas)
-    if used == op.dim:
-        residual = 0.0  # a full basis: T is similar to H, whatever round-off says of w
+    if used == op.dim:  # a full basis: T is similar to H, whatever round-off says of w
+        residual, converged = 0.0, True
     top = basis[:used].T @ vectors[:, -1].to(op.dtype).to(op.device)
-    return LanczosRun(_result(ritz, used), top, used, residual,
-                      residual <= tol * abs(ritz[-1]))
+    return LanczosRun(_result(ritz, used), top, used, residual, converged)
+
+
+def _converged(top: float, previous: float, residual: float, tol: float) -> bool:
+    """`lanczos_iterations`' stopping test (see its `tol`): read only from T's values."""
+    scale = abs(top)
+    return tol > 0 and abs(top - previous) <= tol * scale and residual <= math.sqrt(tol) * scale
 
 
 def _ritz(alphas: list[float], betas: list[float]) -> tuple[list[float], Tensor]:

@@ -7,6 +7,7 @@ ratios of second moments to curvature).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +33,7 @@ AUTO_STEP_FACTOR = 10
 AUTO_FLOOR_S = 0.1
 FORWARD_SHARE = 3  # a training step (forward, backward at ~2 forwards) ≈ 3 forwards
 TIC_EPS = 1e-7
-MAX_EV_TOL = 1e-4  # HessMaxEV's Lanczos stops at residual <= MAX_EV_TOL · |value|
+MAX_EV_TOL = 1e-4  # HessMaxEV's Lanczos stops once its value moves by <= 1e-4 relatively
 TIC_CHUNK = 1 << 20  # elements per pass of tic_diag: its two float64 buffers stay at 16 MiB
 
 
@@ -147,8 +148,9 @@ def top_eigenvalue(op: HessianOperator | LinearOperator, num_iter: int, seed: in
         num_iter: the most Lanczos iterations (HVPs).
         seed: the random start's seed (mixed with `start`, see `lanczos_iterations`).
         start: the previous step's top Ritz vector (D,), or None.
-        tol: Lanczos stops once the top Ritz pair's residual is at most tol · |value|;
-            0: never early (converged only on a full basis, num_iter >= D).
+        tol: Lanczos stops once the value changed by at most tol relatively over the
+            last iteration, with a residual of at most √tol · |value| (see
+            `lanczos_iterations`); 0: never early (converged only on a full basis).
 
     Returns:
         (value, meta, vector): meta {"max_magnitude", "min_algebraic", "estimator",
@@ -171,7 +173,8 @@ def top_eigenvalue(op: HessianOperator | LinearOperator, num_iter: int, seed: in
     }
     if tol > 0 and not run.converged and run.vector is not None:
         meta["note"] = (f"Lanczos did not converge within lanczos_iter={num_iter} iterations "
-                        f"(residual {run.residual:.3g} > {tol:g} × |value|): the value is a "
+                        f"(relative change over the last one > {tol:g}, or residual "
+                        f"{run.residual:.3g} > {math.sqrt(tol):.3g} × |value|): the value is a "
                         "lower bound of the largest eigenvalue; raise lanczos_iter")
     return float(top.value), meta, run.vector
 
