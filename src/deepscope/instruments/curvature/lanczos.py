@@ -105,8 +105,8 @@ def lanczos_iterations(op: LinearOperator, num_iter: int, generator: torch.Gener
         if not math.isfinite(alphas[-1]):  # a NaN/Inf in H: report NaN, never hide it
             return LanczosRun(_result([math.nan], j + 1), None, j + 1, math.nan, False)
         # The three-term recurrence first, then full reorthogonalisation removes only
-        # round-off: one pass of it suffices (see `_orthogonalise`). On the last step
-        # it only measures the residual (no HVP).
+        # round-off: one pass of it suffices (see `_orthogonalise`). β also gives the top
+        # Ritz pair's residual, so the last step runs it too (no HVP).
         w.sub_(q, alpha=alphas[-1])
         if betas:
             w.sub_(basis[j - 1], alpha=betas[-1])
