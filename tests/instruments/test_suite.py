@@ -23,6 +23,7 @@ from deepscope.instruments import (
     resolve_quantities,
 )
 from deepscope.instruments.histograms import Bins
+from deepscope.instruments.quantities.curvature import MAX_EV_TOL
 
 from . import reference as R
 
@@ -266,14 +267,19 @@ def test_curvature_quantities_exact_mode(name: str) -> None:
         check_layers(run, "TICTrace", t, R.tic_trace(ref, H))
         assert run.value("HessTrace", t).meta == {"estimator": "exact", "samples": dim}
         top = run.value("HessMaxEV", t)
-        assert top.meta["estimator"] == "lanczos" and top.meta["samples"] == iters
-        if iters < dim:
+        # Lanczos stops once converged: at most `iters` HVPs, fewer when it converged
+        assert top.meta["estimator"] == "lanczos" and top.meta["samples"] <= iters
+        assert top.meta["warm_start"] == (t > 0)
+        if iters < dim and not top.meta["converged"]:
+            assert "did not converge" in top.meta["note"]
             assert 0.9 * R.hess_max_ev(H) <= top.value <= R.hess_max_ev(H) + 1e-9
             continue
-        assert_close(top, R.hess_max_ev(H))
+        assert top.meta["converged"] and "note" not in top.meta
+        assert_close(top, R.hess_max_ev(H), rtol=MAX_EV_TOL)  # Lanczos' stopping tolerance
+        # the other Ritz values of the same (maybe early-stopped) run lie inside the spectrum
         eig = np.linalg.eigvalsh((H + H.T) / 2)
-        assert top.meta["max_magnitude"] == pytest.approx(eig[np.abs(eig).argmax()], rel=1e-6)
-        assert top.meta["min_algebraic"] == pytest.approx(eig[0], rel=1e-6)
+        assert eig[0] - 1e-9 <= top.meta["min_algebraic"] <= eig[-1] + 1e-9
+        assert abs(top.meta["max_magnitude"]) <= np.abs(eig).max() + 1e-9
 
 
 def test_curvature_with_sum_reduction_is_the_mean_loss_hessian() -> None:

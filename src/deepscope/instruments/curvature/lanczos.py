@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -38,16 +39,50 @@ def lanczos(op: HessianOperator, num_iter: int = 30, seed: int = 0) -> dict[str,
         per parameter unit squared, estimator "lanczos", samples = HVPs used.
     """
     op = check_operator(op)
-    return lanczos_iterations(op, num_iter, seeded_generator(op, seed))
+    return lanczos_iterations(op, num_iter, seeded_generator(op, seed)).estimates
 
 
-def lanczos_iterations(op: LinearOperator, num_iter: int,
-                       generator: torch.Generator) -> dict[str, Estimate]:
+@dataclass
+class LanczosRun:
+    """What `lanczos_iterations` found.
+
+    Attributes:
+        estimates: {"max_algebraic", "min_algebraic", "max_magnitude"} -> Estimate (as
+            `lanczos` returns; samples = HVPs used = iterations).
+        vector: the top Ritz vector (D,), unit norm, in the operator's dtype and device
+            (a warm start for the next call on a nearby operator); None after a NaN.
+        iterations: Lanczos steps taken (HVPs).
+        residual: ‖H y − θ y‖ of the top Ritz pair (θ, y): some eigenvalue of H lies
+            within it of θ (NaN after a NaN product).
+        converged: whether the test of `tol` passed (with tol 0: only on a full basis).
+    """
+
+    estimates: dict[str, Estimate]
+    vector: Tensor | None
+    iterations: int
+    residual: float
+    converged: bool
+
+
+def lanczos_iterations(op: LinearOperator, num_iter: int, generator: torch.Generator,
+                       start: Tensor | None = None, tol: float = 0.0) -> LanczosRun:
     """`lanczos` on any symmetric linear operator with `dim`, `dtype`, `device` and
     `matvec(v, out=)` (e.g. the global Hessian of a distributed run); the start vector and
     any restart come from `generator`. The iterations depend only on the products'
     values, so operators that return identical products on several processes run
-    identical iterations there."""
+    identical iterations there (and stop at the same one: the test below reads only T).
+
+    Args:
+        start: a warm start (D,), e.g. the previous step's top Ritz vector. It is mixed
+            in equal parts (as unit vectors) with the seeded Gaussian start, so the start
+            keeps a random vector's share of every eigendirection and never lies in a
+            deficient subspace, whatever `start` is.
+        tol: stop early once the top Ritz value θ changed by at most tol · |θ| over the
+            last iteration and the top Ritz pair's residual ‖H y − θ y‖ = β_j |s_j| (read
+            off the tridiagonal T) is at most √tol · |θ| (which keeps a plateau of θ in a
+            dense spectrum from passing for convergence: some eigenvalue of H lies within
+            the residual of θ). 0: run all min(num_iter, D) steps.
+    """
     steps = min(check_int("num_iter", num_iter, 1), op.dim)
     basis = torch.zeros(steps, op.dim, dtype=op.dtype, device=op.device)
     alphas: list[float] = []
@@ -55,21 +90,33 @@ def lanczos_iterations(op: LinearOperator, num_iter: int,
     eps = torch.finfo(op.dtype).eps
     scale = 0.0  # running estimate of ‖H‖, the yardstick for an invariant subspace
     basis[0] = _random_unit(op, generator, basis[:0])
+    if start is not None and start.shape == (op.dim,) and bool(start.isfinite().all()):
+        warm = start.to(dtype=op.dtype, device=op.device)
+        norm = float(warm.norm())
+        if norm > 0:
+            basis[0].add_(warm, alpha=1 / norm)
+            basis[0].div_(basis[0].norm())
     w = torch.empty(op.dim, dtype=op.dtype, device=op.device)  # reused: no (D,) allocations
+    ritz, vectors, residual = [math.nan], None, math.nan
     for j in range(steps):
         q = basis[j]
         op.matvec(q, out=w)
         alphas.append(float(torch.dot(q, w)))
         if not math.isfinite(alphas[-1]):  # a NaN/Inf in H: report NaN, never hide it
-            return _result([math.nan], j + 1)
-        if j == steps - 1:
-            break
+            return LanczosRun(_result([math.nan], j + 1), None, j + 1, math.nan, False)
         # The three-term recurrence first, then full reorthogonalisation removes only
-        # round-off: one pass of it suffices (see `_orthogonalise`).
+        # round-off: one pass of it suffices (see `_orthogonalise`). β also gives the top
+        # Ritz pair's residual, so the last step runs it too (no HVP).
         w.sub_(q, alpha=alphas[-1])
         if betas:
             w.sub_(basis[j - 1], alpha=betas[-1])
         beta = _orthogonalise(w, basis[: j + 1])
+        previous = ritz[-1]
+        ritz, vectors = _ritz(alphas, betas)
+        residual = beta * abs(float(vectors[-1, -1]))
+        converged = _converged(ritz[-1], previous, residual, tol)
+        if j == steps - 1 or converged:
+            break
         scale = max(scale, abs(alphas[-1]) + beta)
         if beta > eps * scale:
             torch.div(w, beta, out=basis[j + 1])
@@ -79,12 +126,27 @@ def lanczos_iterations(op: LinearOperator, num_iter: int,
             beta = 0.0
             basis[j + 1] = _random_unit(op, generator, basis[: j + 1])
         betas.append(beta)
+    used = len(alphas)
+    if used == op.dim:  # a full basis: T is similar to H, whatever round-off says of w
+        residual, converged = 0.0, True
+    top = basis[:used].T @ vectors[:, -1].to(op.dtype).to(op.device)
+    return LanczosRun(_result(ritz, used), top, used, residual, converged)
 
+
+def _converged(top: float, previous: float, residual: float, tol: float) -> bool:
+    """`lanczos_iterations`' stopping test (see its `tol`): read only from T's values."""
+    scale = abs(top)
+    return tol > 0 and abs(top - previous) <= tol * scale and residual <= math.sqrt(tol) * scale
+
+
+def _ritz(alphas: list[float], betas: list[float]) -> tuple[list[float], Tensor]:
+    """Ascending eigenvalues of the tridiagonal T (float64) and its eigenvectors (columns)."""
     tridiagonal = torch.diag(torch.tensor(alphas, dtype=torch.float64))
     if betas:
         off = torch.tensor(betas, dtype=torch.float64)
         tridiagonal += torch.diag(off, 1) + torch.diag(off, -1)
-    return _result(torch.linalg.eigvalsh(tridiagonal).tolist(), steps)
+    values, vectors = torch.linalg.eigh(tridiagonal)
+    return values.tolist(), vectors
 
 
 def _result(ritz: list[float], samples: int) -> dict[str, Estimate]:

@@ -282,15 +282,20 @@ def seeded_generator(op: HessianOperator, seed: int) -> torch.Generator:
 
 
 def rademacher(op: HessianOperator, k: int, generator: torch.Generator) -> Tensor:
-    """k Rademacher (±1) probe vectors, shape (k, D), in the operator's dtype/device."""
+    """k Rademacher (±1) probe vectors, shape (k, D), in the operator's dtype/device.
+
+    Each row is drawn by its own call, so the i-th probe from a generator is the same
+    whether the probes come k at a time or one by one: batched and looped HVPs see the
+    same probes, and give the same estimates."""
     # eight signs per random byte: drawing the random numbers is the cost (bernoulli_ was
     # several times slower for the same distribution); bit j of a byte gives sign j, looked
     # up as ±1 in one gather instead of shifting, masking and scaling (k, D) tensors
-    n = k * op.dim
-    random = torch.randint(0, 256, ((n + 7) // 8,), generator=generator, dtype=torch.uint8,
-                           device=op.device)
-    signs = _byte_signs(op.dtype, op.device).index_select(0, random.long())
-    return signs.reshape(-1)[:n].reshape(k, op.dim)
+    per_row = (op.dim + 7) // 8
+    random = torch.stack([torch.randint(0, 256, (per_row,), generator=generator,
+                                        dtype=torch.uint8, device=op.device)
+                          for _ in range(k)])
+    signs = _byte_signs(op.dtype, op.device).index_select(0, random.reshape(-1).long())
+    return signs.reshape(k, 8 * per_row)[:, :op.dim]
 
 
 @functools.lru_cache(maxsize=8)

@@ -7,6 +7,7 @@ ratios of second moments to curvature).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ AUTO_STEP_FACTOR = 10
 AUTO_FLOOR_S = 0.1
 FORWARD_SHARE = 3  # a training step (forward, backward at ~2 forwards) ≈ 3 forwards
 TIC_EPS = 1e-7
+MAX_EV_TOL = 1e-4  # HessMaxEV's Lanczos stops once its value moves by <= 1e-4 relatively
 TIC_CHUNK = 1 << 20  # elements per pass of tic_diag: its two float64 buffers stay at 16 MiB
 
 
@@ -124,23 +126,57 @@ def hess_trace(op: HessianOperator, diagonal: Tensor) -> Tensor:
 
 def hess_max_ev(op: HessianOperator | LinearOperator, num_iter: int,
                 seed: int) -> tuple[float, dict[str, Any]]:
-    """The largest algebraic eigenvalue of H by Lanczos, and meta for storage.
+    """The largest algebraic eigenvalue of H by Lanczos, and meta for storage: a cold
+    start and all min(num_iter, D) iterations (`top_eigenvalue` with tol=0).
 
     op: the Hessian operator, or any symmetric operator Lanczos takes (`GlobalHessian`).
 
     Returns:
-        (value, meta) with meta {"max_magnitude", "min_algebraic", "estimator", "samples"};
-        samples = HVPs spent.
+        (value, meta) as `top_eigenvalue`.
     """
-    result = lanczos_iterations(op, num_iter, seeded_generator(op, seed))
-    top = result["max_algebraic"]
-    meta = {
-        "max_magnitude": result["max_magnitude"].value,
-        "min_algebraic": result["min_algebraic"].value,
+    value, meta, _ = top_eigenvalue(op, num_iter, seed, tol=0.0)
+    return value, meta
+
+
+def top_eigenvalue(op: HessianOperator | LinearOperator, num_iter: int, seed: int,
+                   start: Tensor | None = None, tol: float = MAX_EV_TOL,
+                   ) -> tuple[float, dict[str, Any], Tensor | None]:
+    """HessMaxEV: the largest algebraic eigenvalue of H by Lanczos, warm-started and
+    stopped once converged; meta for storage; the top Ritz vector for the next step.
+
+    Args:
+        num_iter: the most Lanczos iterations (HVPs).
+        seed: the random start's seed (mixed with `start`, see `lanczos_iterations`).
+        start: the previous step's top Ritz vector (D,), or None.
+        tol: Lanczos stops once the value changed by at most tol relatively over the
+            last iteration, with a residual of at most √tol · |value| (see
+            `lanczos_iterations`); 0: never early (converged only on a full basis).
+
+    Returns:
+        (value, meta, vector): meta {"max_magnitude", "min_algebraic", "estimator",
+        "samples" (HVPs spent = iterations), "converged", "warm_start", "residual"
+        (‖H y − θ y‖: an eigenvalue of H lies within it of the value)}, plus "note" when
+        Lanczos did not converge within num_iter (the value is then a lower bound of the
+        largest eigenvalue, maybe a loose one). min_algebraic and max_magnitude are Ritz
+        values of the same iterations, not converged by this test.
+    """
+    run = lanczos_iterations(op, num_iter, seeded_generator(op, seed), start, tol)
+    top = run.estimates["max_algebraic"]
+    meta: dict[str, Any] = {
+        "max_magnitude": run.estimates["max_magnitude"].value,
+        "min_algebraic": run.estimates["min_algebraic"].value,
         "estimator": top.estimator,
         "samples": top.samples,
+        "converged": run.converged,
+        "warm_start": start is not None,
+        "residual": run.residual if run.vector is not None else None,  # None: a NaN product
     }
-    return float(top.value), meta
+    if tol > 0 and not run.converged and run.vector is not None:
+        meta["note"] = (f"Lanczos did not converge within lanczos_iter={num_iter} iterations "
+                        f"(relative change over the last one > {tol:g}, or residual "
+                        f"{run.residual:.3g} > {math.sqrt(tol):.3g} × |value|): the value is a "
+                        "lower bound of the largest eigenvalue; raise lanczos_iter")
+    return float(top.value), meta, run.vector
 
 
 def tic_diag(

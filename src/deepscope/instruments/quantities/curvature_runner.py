@@ -36,10 +36,10 @@ from ..curvature.operator import hvp_batch_size
 from .curvature import (
     EXACT_MAX_DIM,
     choose_diagonal,
-    hess_max_ev,
     hess_trace,
     hessian_diagonal,
     over_budget,
+    top_eigenvalue,
 )
 from .norms import with_total
 
@@ -97,6 +97,7 @@ class CurvatureRunner:
         self._step: dict[str, Any] = {}  # this rank's step so far: "diagonal_meta", "max_ev"
         self._auto_diagonal: tuple[str, str] | None = None  # "auto"'s (estimator, why)
         self._hvp_batched: bool | None = None  # vmapped HVPs verified on this model
+        self._ritz: Tensor | None = None  # the last HessMaxEV's top Ritz vector: a warm start
 
     def run(
         self, mean_loss: Tensor, params: list[Tensor], due: frozenset[str], step: int,
@@ -144,7 +145,7 @@ class CurvatureRunner:
                         failed.update(dict.fromkeys(due & needing("diagonal"), describe(error)))
                 if "HessMaxEV" in due:
                     try:
-                        curvature["max_ev"] = hess_max_ev(op, self.lanczos_iter, seed)
+                        curvature["max_ev"] = self._max_ev(op, seed)
                     except Exception as error:
                         failed["HessMaxEV"] = describe(error)
                 self._hvp_batched = op.batched  # checked once per model, not every step
@@ -179,7 +180,7 @@ class CurvatureRunner:
                     global_op = GlobalHessian(op, self.reducer, batch_size, dim,
                                               mean_loss.dtype, mean_loss.device, reason)
                     try:
-                        curvature["max_ev"] = hess_max_ev(global_op, self.lanczos_iter, seed)
+                        curvature["max_ev"] = self._max_ev(global_op, seed)
                     except RankFailure as error:  # the same line on every rank
                         failed["HessMaxEV"] = str(error)
                     except Exception as error:
@@ -191,6 +192,16 @@ class CurvatureRunner:
         curvature.setdefault("partials", {})
         self._step = {k: v for k, v in curvature.items() if k != "partials"}
         return curvature, failed
+
+    def _max_ev(self, op: HessianOperator | GlobalHessian, seed: int) -> tuple[float, dict]:
+        """HessMaxEV's (value, meta), warm-started from the previous one's top Ritz vector.
+        In a distributed run that vector comes from the same reduced products on every
+        rank, so every rank starts, iterates and stops alike."""
+        start = self._ritz if self._ritz is not None and self._ritz.shape == (op.dim,) \
+            else None
+        self._ritz = None  # a failure below leaves no stale start
+        value, meta, self._ritz = top_eigenvalue(op, self.lanczos_iter, seed, start)
+        return value, meta
 
     def _partials(
         self, op: HessianOperator | None, reason: str, due: frozenset[str], seed: int,
