@@ -164,7 +164,7 @@ def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
                  ("tensor", "value"): tensor, ("step-slider", "value"): slider}
         # Send only what changed: Dash wakes every callback that listens to a property it
         # sets, even to the same value (the run selector alone feeds a dozen panels).
-        sent = dict(sent or {})
+        before, sent = sent, dict(sent or {})
         out = []
         for key in _CONTROLS:
             name, value = ".".join(key), new[key]
@@ -175,6 +175,8 @@ def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
                 sent[name] = fingerprint(value)
             out.append(value if changed else dash.no_update)
         data = sel.as_dict()
+        # every property set costs the page a re-render pass, even to the same value
+        sent = dash.no_update if sent == before else sent
         tab = ids.GRAPH_TAB if trigger == "diagnosis" else dash.no_update
         # The graph and the history come in this answer too (a second round trip after the
         # selection arrived cost a person ~100 ms per click); new steps of the run (SHOWN)
