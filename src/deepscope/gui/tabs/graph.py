@@ -1,9 +1,10 @@
 """The Graph tab: selectors, the dependency graph, the selected record's outputs.
 
 Flow per click: one round trip turns the selector values into a valid selection (kept in
-the browser, per tab) and returns the selected record's table and charts with it; the graph
-and the over-steps history are callbacks on that selection. Every panel is computed on its
-own, so a failure stays in its panel.
+the browser, per tab) and returns the selected record's table and charts, the graph and the
+over-steps history with it; the graph's colouring and the history's statistic, overlay and
+rank have callbacks of their own on that selection. Every panel is computed on its own, so
+a failure stays in its panel.
 """
 
 from __future__ import annotations
