@@ -42,7 +42,9 @@ def test_diagnosis_row_opens_its_step_and_node(browser, bugged_url: str) -> None
     page.click("#anomalies button.diag-go:has-text('0.weight')")
     # the graph tab shows node 0 (the first Linear) with 0.weight selected at step 0
     wait_table(page, tensor="0.weight", step=0)
-    page.wait_for_selector("#graph", state="visible", timeout=20_000)  # to the graph tab
+    # switched to the graph tab: the same answer sets the tab, whose pane the browser shows
+    # one step later (layout.register_panes)
+    page.wait_for_selector("#graph", state="visible", timeout=20_000)
     assert page.inner_text("#node").strip().startswith("0 (")  # the node of 0.weight
     page.close()
 

@@ -1,13 +1,15 @@
 """The Graph tab: selectors, the dependency graph, the selected record's outputs.
 
 Flow per click: one round trip turns the selector values into a valid selection (kept in
-the browser, per tab) and returns the selected record's table and charts with it; the graph
-and the over-steps history are callbacks on that selection. Every panel is computed on its
-own, so a failure stays in its panel.
+the browser, per tab) and returns the selected record's table and charts, the graph and the
+over-steps history with it; the graph's colouring and the history's statistic, overlay and
+rank have callbacks of their own on that selection. Every panel is computed on its own, so
+a failure stays in its panel.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +21,7 @@ from dash import ALL, Input, Output, State, ctx, dcc, html
 from ...store.schema import STAT_COLUMNS
 from .. import graph_view, ids, panels, ranks
 from ..data import LRU, ProjectData, RunData, fingerprint
-from ..guard import contained, describe, error_box, error_figure, guard, report
+from ..guard import contained, describe, error_box, error_figure, report
 from ..selection import Request, nearest_index, resolve
 from ..widgets import chart, dropdown, labelled
 from . import Tab, gate
@@ -122,14 +124,18 @@ def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
     # (the tab shown with the runs' versions), as do the callbacks on the selection.
     @app.callback(*[Output(i, p) for i, p in _CONTROLS], Output(ids.SEL, "data"),
                   Output("controls-sent", "data"), *_RECORD_OUTPUTS, Output(ids.TABS, "value"),
+                  *_dup(_GRAPH_OUTPUTS), *_dup(_HISTORY_OUTPUTS),
                   *inputs, State(ids.SEL, "data"), State("controls-sent", "data"),
-                  State(ids.RANK, "value"), prevent_initial_call=True)
+                  State(ids.RANK, "value"), *_GRAPH_STATES, *_HISTORY_STATES,
+                  prevent_initial_call=True)
     def _resolve(run: str | None, kind: str | None, iteration: int | None,
                  direction: str | None, batch: str | None, node: str | None,
                  tensor: str | None, slider: int | None, _prev: Any, _next: Any,
                  tap: dict | None, _buttons: list, click: dict | None, _shown: Any,
                  _diagnoses: list, previous: dict | None, sent: dict | None,
-                 rank: str | None) -> tuple:
+                 rank: str | None, colour_by: str | None, shared: list | None,
+                 graph_known: dict | None, statistic: str | None, overlay: list | None,
+                 history_drawn: str | None) -> tuple:
         trigger, picked_node, picked_step = _trigger(tap, click)
         if trigger is None and previous is not None and ctx.triggered_id is not None:
             raise dash.exceptions.PreventUpdate  # a node-list button appeared, not clicked
@@ -142,7 +148,7 @@ def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
             report("selection", exc)
             keep = [dash.no_update] * (len(_CONTROLS) + 2)   # controls, sel, controls-sent
             return (*keep, None, error_box(describe(exc)), dash.no_update, dash.no_update,
-                    dash.no_update)
+                    dash.no_update, *_unchanged(_GRAPH_OUTPUTS + _HISTORY_OUTPUTS))
         new = {
             (ids.RUN, "value"): sel.run, ("kind", "options"): ch.kinds,
             ("kind", "value"): sel.kind, ("step-slider", "max"): max(ch.step_count - 1, 0),
@@ -159,7 +165,7 @@ def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
                  ("tensor", "value"): tensor, ("step-slider", "value"): slider}
         # Send only what changed: Dash wakes every callback that listens to a property it
         # sets, even to the same value (the run selector alone feeds a dozen panels).
-        sent = dict(sent or {})
+        before, sent = sent, dict(sent or {})
         out = []
         for key in _CONTROLS:
             name, value = ".".join(key), new[key]
@@ -170,10 +176,19 @@ def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
                 sent[name] = fingerprint(value)
             out.append(value if changed else dash.no_update)
         data = sel.as_dict()
+        # every property set costs the page a re-render pass, even to the same value
+        sent = dash.no_update if sent == before else sent
         tab = ids.GRAPH_TAB if trigger == "diagnosis" else dash.no_update
+        # The graph and the history come in this answer too (a second round trip after the
+        # selection arrived cost a person ~100 ms per click); new steps of the run (SHOWN)
+        # may extend the history of an unchanged selection.
+        history = history_outputs(project, data, statistic, overlay, _shown, rank,
+                                  history_drawn)
         if data == previous:
-            return (*out, dash.no_update, sent, *[dash.no_update] * len(_RECORD_OUTPUTS), tab)
-        return (*out, data, sent, *record_panels(project, data, rank), tab)
+            return (*out, dash.no_update, sent, *_unchanged(_RECORD_OUTPUTS), tab,
+                    *_unchanged(_GRAPH_OUTPUTS), *history)
+        return (*out, data, sent, *record_panels(project, data, rank), tab,
+                *graph_outputs(project, data, colour_by, shared, graph_known), *history)
 
     @app.callback(Output("nonfinite-banner", "children", allow_duplicate=True),
                   Output("stats-table", "children", allow_duplicate=True),
@@ -188,9 +203,46 @@ def _register_resolve(app: dash.Dash, project: ProjectData) -> None:
                          lambda msg: (None, error_box(msg)), "statistics table")
 
 
-# The record's own panels come back with the selection itself: one round trip per click.
+# The record's own panels, the graph and the history come back with the selection itself:
+# one round trip per click. The graph's and the history's own callbacks (below) redraw them
+# for their other inputs (colouring, statistic, overlay, rank).
 _RECORD_OUTPUTS = (Output("nonfinite-banner", "children"), Output("stats-table", "children"),
                    Output("values-chart", "figure"), Output("items-chart", "figure"))
+_GRAPH_OUTPUTS = (Output("graph", "elements"), Output("graph", "layout"),
+                  Output("node-list", "children"), Output("legend", "children"),
+                  Output("graph-key", "data"))
+_GRAPH_STATES = (State("colour-by", "value"), State("colour-shared", "value"),
+                 State("graph-key", "data"))
+_HISTORY_OUTPUTS = (Output("over-steps", "figure"), Output("over-steps-key", "data"))
+_HISTORY_STATES = (State(ids.STATISTIC, "value"), State("overlay", "value"),
+                   State("over-steps-key", "data"))
+
+
+def _dup(outputs: tuple[Output, ...]) -> list[Output]:
+    """The same outputs, for a second callback that sets them."""
+    return [Output(o.component_id, o.component_property, allow_duplicate=True)
+            for o in outputs]
+
+
+def _unchanged(outputs: tuple[Output, ...]) -> list[Any]:
+    return [dash.no_update] * len(outputs)
+
+
+def _ask(app: dash.Dash, store: str, *inputs: tuple[str, str]) -> None:
+    """Copy the selection and `inputs` into `store` (a list) in the browser, unless the
+    selection alone changed (`_resolve` drew the outputs with it): the callback on `store`
+    then asks the server only for a change of its own inputs. Having the selection as an
+    input, this waits for a selection on its way, so the list is never a stale mix."""
+    app.clientside_callback(
+        f"""function (...args) {{
+            const fired = window.dash_clientside.callback_context.triggered;
+            if (fired.every((t) => t.prop_id.startsWith({json.dumps(ids.SEL + ".")}))) {{
+                return window.dash_clientside.no_update;
+            }}
+            return args;
+        }}""",
+        Output(store, "data"), Input(ids.SEL, "data"), *[Input(i, p) for i, p in inputs],
+        prevent_initial_call=True)
 
 
 def record_panels(project: ProjectData, sel: dict[str, Any], rank: str | None = None) -> tuple:
@@ -230,43 +282,54 @@ def _trigger(tap: dict | None, click: dict | None) -> tuple[str | None, str | No
 
 # --- the graph ----------------------------------------------------------------------------
 def _register_graph(app: dash.Dash, project: ProjectData) -> None:
-    @app.callback(Output("graph", "elements"), Output("graph", "layout"),
-                  Output("node-list", "children"), Output("legend", "children"),
-                  Output("graph-key", "data"), Input(ids.SEL, "data"),
-                  Input("colour-by", "value"), Input("colour-shared", "value"),
+    _ask(app, "graph-ask", ("colour-by", "value"), ("colour-shared", "value"))
+
+    @app.callback(*_dup(_GRAPH_OUTPUTS), Input("graph-ask", "data"),
                   State("graph-key", "data"), prevent_initial_call=True)
-    @guard(lambda msg: (dash.no_update, dash.no_update, dash.no_update, error_box(msg),
-                        dash.no_update))
-    def _graph(sel: dict | None, colour_by: str | None, shared: list | None,
-               known: dict | None) -> tuple:
-        if not sel or sel.get("empty"):
-            msg = html.P("No recorded step yet: the graph appears with the first one.",
-                         className="hint")
-            return [], dash.no_update, [], msg, None
-        rd = project.run(sel["run"])
-        graph = rd.graph(sel["step"], sel["iteration"])
-        key = fingerprint(graph)  # same structure in another run: keep the view as it is
-        layout = _LAYOUTS.get(key, lambda: graph_view.build_layout(graph))
-        others = [o for o in (contained(lambda r=r: project.run(r), lambda _msg: None,
-                                        f"run {r}") for r in project.runs()
-                              if shared and colour_by != "role" and r != sel["run"]) if o]
-        colours, scale, flags, caption = node_colouring(rd, sel, layout, colour_by or "role",
-                                                        others)
-        elements = graph_view.elements(layout, sel["node"], sel["tensor"], colours, flags)
-        drawn = fingerprint([elements, caption, scale and [scale.low, scale.high, scale.log]])
-        known = known or {}
-        if key == known.get("structure"):
-            if drawn == known.get("drawn"):  # e.g. a step click with nothing to recolour
-                raise dash.exceptions.PreventUpdate
-            return (elements, dash.no_update, dash.no_update, _legend(layout, scale, caption),
-                    {"structure": key, "drawn": drawn})
-        ordered = sorted(layout.positions, key=lambda n: layout.positions[n])
-        buttons = [html.Button(n, id={"type": "node-btn", "node": n}, className="node-btn",
-                               **{"data-node": n}) for n in ordered]
-        # A changed layout prop makes cytoscape re-run the preset layout and fit the view.
-        cy_layout = {"name": "preset", "fit": True, "padding": 24, "structure": key}
-        return (elements, cy_layout, buttons, _legend(layout, scale, caption),
+    def _graph(ask: list, known: dict | None) -> tuple:
+        sel, colour_by, shared = ask
+        return graph_outputs(project, sel, colour_by, shared, known)
+
+
+def graph_outputs(project: ProjectData, sel: dict | None, colour_by: str | None,
+                  shared: list | None, known: dict | None) -> tuple:
+    """Graph elements, cytoscape layout, node list, legend and graph key for a selection
+    (no_update for those that did not change); an error shows in the legend."""
+    return contained(lambda: _graph_outputs(project, sel, colour_by, shared, known),
+                     lambda msg: (dash.no_update, dash.no_update, dash.no_update,
+                                  error_box(msg), dash.no_update), "graph")
+
+
+def _graph_outputs(project: ProjectData, sel: dict | None, colour_by: str | None,
+                   shared: list | None, known: dict | None) -> tuple:
+    if not sel or sel.get("empty"):
+        msg = html.P("No recorded step yet: the graph appears with the first one.",
+                     className="hint")
+        return [], dash.no_update, [], msg, None
+    rd = project.run(sel["run"])
+    graph = rd.graph(sel["step"], sel["iteration"])
+    key = fingerprint(graph)  # same structure in another run: keep the view as it is
+    layout = _LAYOUTS.get(key, lambda: graph_view.build_layout(graph))
+    others = [o for o in (contained(lambda r=r: project.run(r), lambda _msg: None,
+                                    f"run {r}") for r in project.runs()
+                          if shared and colour_by != "role" and r != sel["run"]) if o]
+    colours, scale, flags, caption = node_colouring(rd, sel, layout, colour_by or "role",
+                                                    others)
+    elements = graph_view.elements(layout, sel["node"], sel["tensor"], colours, flags)
+    drawn = fingerprint([elements, caption, scale and [scale.low, scale.high, scale.log]])
+    known = known or {}
+    if key == known.get("structure"):
+        if drawn == known.get("drawn"):  # e.g. a step click with nothing to recolour
+            return tuple(_unchanged(_GRAPH_OUTPUTS))
+        return (elements, dash.no_update, dash.no_update, _legend(layout, scale, caption),
                 {"structure": key, "drawn": drawn})
+    ordered = sorted(layout.positions, key=lambda n: layout.positions[n])
+    buttons = [html.Button(n, id={"type": "node-btn", "node": n}, className="node-btn",
+                           **{"data-node": n}) for n in ordered]
+    # A changed layout prop makes cytoscape re-run the preset layout and fit the view.
+    cy_layout = {"name": "preset", "fit": True, "padding": 24, "structure": key}
+    return (elements, cy_layout, buttons, _legend(layout, scale, caption),
+            {"structure": key, "drawn": drawn})
 
 
 def node_colouring(rd: RunData, sel: dict[str, Any], layout: graph_view.GraphLayout,
@@ -394,26 +457,35 @@ def _register_outputs(app: dash.Dash, project: ProjectData) -> None:
         Output("over-steps", "figure", allow_duplicate=True), Input(ids.SEL, "data"),
         State("over-steps", "figure"), prevent_initial_call=True)
 
-    @app.callback(Output("over-steps", "figure"), Output("over-steps-key", "data"),
-                  Input(ids.SEL, "data"), Input(ids.STATISTIC, "value"),
-                  Input("overlay", "value"), Input(SHOWN, "data"),
-                  Input(ids.RANK, "value"), State("over-steps-key", "data"),
-                  prevent_initial_call=True)
-    @guard(lambda msg: (error_figure(msg, "over steps"), None))
-    def _history(sel: dict | None, statistic: str | None, overlay: list | None,
-                 shown: list | None, rank: str | None, drawn: str | None) -> tuple:
-        if not sel or sel.get("empty") or not sel.get("tensor"):
-            raise dash.exceptions.PreventUpdate
-        versions = (shown or (None, None))[1]
-        runs = list(dict.fromkeys([sel["run"], *(overlay or [])]))
-        statistic = statistic or "norm"
-        key = fingerprint([runs, sel["tensor"], sel["direction"], sel["record_iteration"],
-                           sel["kind"], statistic, [(versions or {}).get(r) for r in runs],
-                           rank])
-        if key == drawn:  # only the step moved: the browser moved the marker (above)
-            raise dash.exceptions.PreventUpdate
-        return panels.history(project, runs, sel, statistic, rank=rank), key
+    _ask(app, "history-ask", (ids.STATISTIC, "value"), ("overlay", "value"),
+         (ids.RANK, "value"))
+
+    @app.callback(*_dup(_HISTORY_OUTPUTS), Input("history-ask", "data"), State(SHOWN, "data"),
+                  State("over-steps-key", "data"), prevent_initial_call=True)
+    def _history(ask: list, shown: list | None, drawn: str | None) -> tuple:
+        sel, statistic, overlay, rank = ask
+        return history_outputs(project, sel, statistic, overlay, shown, rank, drawn)
+
+
+def history_outputs(project: ProjectData, sel: dict | None, statistic: str | None,
+                    overlay: list | None, shown: list | None, rank: str | None,
+                    drawn: str | None) -> tuple:
+    """The over-steps figure and its key, or no_update for both when what it would show is
+    drawn already (only the step moved: the browser moves the marker); an error shows in
+    the chart."""
+    if not sel or sel.get("empty") or not sel.get("tensor"):
+        return tuple(_unchanged(_HISTORY_OUTPUTS))
+    versions = (shown or (None, None))[1]
+    runs = list(dict.fromkeys([sel["run"], *(overlay or [])]))
+    statistic = statistic or "norm"
+    key = fingerprint([runs, sel["tensor"], sel["direction"], sel["record_iteration"],
+                       sel["kind"], statistic, [(versions or {}).get(r) for r in runs], rank])
+    if key == drawn:
+        return tuple(_unchanged(_HISTORY_OUTPUTS))
+    return contained(lambda: (panels.history(project, runs, sel, statistic, rank=rank), key),
+                     lambda msg: (error_figure(msg, "over steps"), None), "history")
 
 
 TAB = Tab("Graph", ids.GRAPH_TAB, layout, register,
-          stores=(ids.SEL, "graph-key", "over-steps-key", "controls-sent", SHOWN))
+          stores=(ids.SEL, "graph-key", "over-steps-key", "controls-sent", SHOWN, "graph-ask",
+                  "history-ask"))
