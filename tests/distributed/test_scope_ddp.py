@@ -239,6 +239,12 @@ def scope_scenarios(rank: int, world: int, out_dir: str) -> dict:
                                                             scoped.parameters()))
     out["untouched_hooks"] = [plain_hooks, scoped_hooks]
     out["untouched_steps"] = deepscope.open_run(root / "untouched").steps(rank=rank)
+    # 4b. Re-running into a finished run with overwrite=True, several times: every rank
+    # replaces its file (ranks probing the same lock files at once saw each other as writers)
+    out["overwrites"] = []
+    for _ in range(4):
+        Scope(root, "overwritten", overwrite=True).close()
+        out["overwrites"].append(sorted(p.name for p in (root / "overwritten").glob("*.sqlite")))
 
     run = deepscope.open_run(root / "defaults")
     out["defaults_steps"] = run.steps(rank=rank)
@@ -287,6 +293,12 @@ def test_rank_files_carry_the_agreed_meta_and_local_values(scenarios):
                                "SELECT key, value FROM meta"))["run_id"])
     assert metas[0]["run_id"] == metas[1]["run_id"] == own  # rank 0's run id everywhere
     assert results[0]["init_calls"] == results[1]["init_calls"] == 3  # agree, agree, id
+
+
+def test_every_rank_overwrites_a_finished_run_together(scenarios):
+    _, results = scenarios
+    for r in results:
+        assert r["overwrites"] == [["rank0.sqlite", "rank1.sqlite"]] * 4
 
 
 def test_no_collective_on_any_step_of_scope_defaults(scenarios):

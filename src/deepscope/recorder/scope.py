@@ -192,7 +192,10 @@ class Scope:
             return self._create_writer(run, overwrite, resume, queue_size, on_full)
         existing = rank_files(self.run_dir)
         try:
-            self._check_existing(run, existing, overwrite, resume)
+            # rank 0 alone probes the locks (it removes the folder): ranks probing the same
+            # lock files at once would each see the other's probe as a writer
+            self._check_existing(run, existing, overwrite, resume,
+                                 probed=existing if self.rank == 0 else {})
             error = None
         except ValueError as exc:
             error = exc
@@ -227,15 +230,17 @@ class Scope:
             raise ValueError(f"rank {failed} {what} (its error says why); every rank stops "
                              "creating this Scope")
 
-    def _check_existing(self, run: str, existing: dict, overwrite: bool,
-                        resume: bool) -> None:
+    def _check_existing(self, run: str, existing: dict, overwrite: bool, resume: bool,
+                        probed: dict) -> None:
+        """Refuse this rank's existing file (unless overwrite / resume), and overwrite while
+        a writer holds one of the `probed` files."""
         # another rank's file is the same run, written by that rank: only this rank's refuses
         if self.rank in existing and not (overwrite or resume):
             raise ValueError(f"run {run!r} already exists in {self.run_dir.parent}; pass "
                              "overwrite=True to replace it, resume=True to continue it, or "
                              "choose another run name")
-        if overwrite and existing:
-            busy = [p.name for p in existing.values() if RunLock.is_held(p)]
+        if overwrite and probed:
+            busy = [p.name for p in probed.values() if RunLock.is_held(p)]
             if busy:
                 raise ValueError(f"run {run!r} is being written by another process ({busy[0]}); "
                                  "wait for it to finish before overwrite=True, or choose "
@@ -246,8 +251,11 @@ class Scope:
         target = rank_file(self.run_dir, self.rank)
         if self.reducer is None:  # (distributed: _open_writer did this for all ranks)
             existing = rank_files(self.run_dir)
-            self._check_existing(run, existing, overwrite, resume)
-            if overwrite and set(existing) - {self.rank}:
+            others = set(existing) - {self.rank}
+            # with other ranks' files only this rank's is replaced: only its lock matters
+            probed = {r: p for r, p in existing.items() if r == self.rank or not others}
+            self._check_existing(run, existing, overwrite, resume, probed)
+            if overwrite and others:
                 # other ranks' files (another Scope of this run): replace this rank's only
                 for path in (target, *target.parent.glob(target.name + "-*"),
                              target.with_name(target.name + ".lock")):
