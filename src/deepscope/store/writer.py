@@ -38,7 +38,7 @@ from ..errors import RecordingError
 from ..records import InstrumentWarning, QuantityValue, StepPayload, StepSummary, TensorInfo
 from . import arrays, codecs
 from .layout import check_run_id, lock_file, parse_run_id, sidecar_run_id
-from .schema import APPLICATION_ID, DDL, SCHEMA_VERSION, STAT_COLUMNS
+from .schema import APPLICATION_ID, DDL, READABLE_VERSIONS, SCHEMA_VERSION, STAT_COLUMNS
 
 try:
     import fcntl
@@ -314,15 +314,18 @@ class StoreWriter:
     def _init_meta(self, meta: dict[str, Any], resume: bool) -> None:
         con = self._con
         stored = dict(con.execute("SELECT key, value FROM meta").fetchall())
+        version = str(SCHEMA_VERSION)
         if stored:
             version = stored.get("schema_version")
-            if version != str(SCHEMA_VERSION):
+            if version not in [str(v) for v in READABLE_VERSIONS]:
                 raise ValueError(
                     f"{self.path} has schema version {version}, this deepscope writes "
                     f"{SCHEMA_VERSION}; record into a new run name")
             if not resume:
                 raise ValueError(f"{self.path} already holds a run; pass resume=True")
-        rows = {"schema_version": str(SCHEMA_VERSION),
+        # A resumed run keeps its version: its tables keep the layout they were created with
+        # (the DDL's CREATE TABLE IF NOT EXISTS leaves them), and the columns are the same.
+        rows = {"schema_version": version,
                 **{k: json.dumps(v) for k, v in meta.items()}, "run_id": json.dumps(self.run_id)}
         if not stored:
             rows["created"] = json.dumps(time.time())
