@@ -3,13 +3,6 @@
 A fresh allocation of a large tensor page-faults on every recorded step (on the CPU ~0.4 ms for
 800 kB, as much as the copy itself ten times over); copying into a buffer that the writer handed
 back after summarising costs only the copy.
-
-How many to keep: a step holds several tensors of one shape (a layer's activation and its
-gradient, the hidden layers of an MLP) and several steps are in flight while the writer works,
-so a fixed few per shape is too few (the MLP benchmark allocated 6 of its 24 copies afresh each
-step). On the CPU the pool keeps, per shape, as many buffers as were ever lent out at once: it
-never holds more memory than the recorder's copies already needed at their peak. On an
-accelerator allocation is cheap (the caching allocator) and memory dear: a few per shape.
 """
 
 from __future__ import annotations
@@ -18,7 +11,7 @@ import threading
 
 import torch
 
-_PER_KEY = 4       # spare buffers kept per (shape, dtype, device) off the CPU
+_PER_KEY = 4       # spare buffers kept per (shape, dtype, device)
 _MAX_KEYS = 512    # distinct shapes kept; more means shapes change every step: keep none
 
 
@@ -27,8 +20,6 @@ class BufferPool:
 
     def __init__(self) -> None:
         self._free: dict[tuple, list[torch.Tensor]] = {}
-        self._lent: dict[tuple, int] = {}  # buffers of a key out now (taken, not released)
-        self._peak: dict[tuple, int] = {}  # the most of a key ever out at once
         self._lock = threading.Lock()
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -46,9 +37,6 @@ class BufferPool:
             for key in keys:
                 spare = self._free.get(key)
                 bufs.append(spare.pop() if spare else None)
-                lent = self._lent[key] = self._lent.get(key, 0) + 1
-                if lent > self._peak.get(key, 0):
-                    self._peak[key] = lent
         bufs = [torch.empty(key[0], dtype=key[1], device=key[2]) if buf is None else buf
                 for key, buf in zip(keys, bufs)]
         with torch.no_grad():  # the copies are not part of the user's graph
@@ -60,17 +48,10 @@ class BufferPool:
         with self._lock:
             for buf in buffers:
                 key = (tuple(buf.shape), buf.dtype, buf.device)
-                lent = self._lent.get(key, 0)
-                if lent == 0:
-                    continue  # not one of ours
-                self._lent[key] = lent - 1
                 spare = self._free.get(key)
                 if spare is None:
                     if len(self._free) >= _MAX_KEYS:
-                        if lent == 1:  # a shape not kept: forget it once none is out
-                            del self._lent[key], self._peak[key]
                         continue
                     spare = self._free[key] = []
-                keep = self._peak[key] if buf.device.type == "cpu" else _PER_KEY
-                if len(spare) < keep:
+                if len(spare) < _PER_KEY:
                     spare.append(buf)
