@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +29,10 @@ def test_recorder_loop_returns_ratios_for_every_clock() -> None:
         assert s["min"] <= s["q25"] <= s["median"] <= s["q75"] <= s["max"]
         assert math.isfinite(s["median"]) and s["median"] > 0
         assert result["plain_ms"][clock] > 0 and result["recorded_ms"][clock] > 0
+    if hasattr(time, "pthread_getcpuclockid"):  # the writer thread's CPU time, measured apart
+        s = result["ratio_writer"]
+        assert 0 < s["min"] <= s["median"] <= s["max"] and result["recorded_ms"]["writer"] > 0
+        assert "recorded / plain, writer" in module.describe(result)
     assert "target: 2.0x wall" in module.describe(result)
     record = module.script_record(result)  # run.py's "recorder-loop" group reads this
     assert [row["label"] for row in record["rows"]] == ["plain", "recorded every step"]

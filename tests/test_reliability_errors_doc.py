@@ -144,7 +144,7 @@ def edited(*sql: str) -> Callable[[Path], object]:
     return lambda tmp: deepscope.open_run(edit(tmp, *sql)).steps()
 
 
-NEWER = "UPDATE meta SET value = '3' WHERE key = 'schema_version'"
+NEWER = "UPDATE meta SET value = '4' WHERE key = 'schema_version'"
 OLDER = "UPDATE meta SET value = '1' WHERE key = 'schema_version'"
 
 

@@ -99,7 +99,7 @@ def test_another_apps_sqlite_file_is_refused(tmp_path):
 def test_a_newer_schema_version_asks_for_an_upgrade(tmp_path, sample):
     run_dir = run_with(tmp_path, sample,
                        "UPDATE meta SET value = '99' WHERE key = 'schema_version'")
-    assert "has schema version '99'; this deepscope reads version 2 (upgrade deepscope" \
+    assert "has schema version '99'; this deepscope reads versions 2 and 3 (upgrade deepscope" \
         in refusal(run_dir)
     with pytest.raises(ValueError, match="schema version 99.*new run name"):
         deepscope.Scope(tmp_path, "run", resume=True)  # and the writer will not touch it
@@ -108,7 +108,7 @@ def test_a_newer_schema_version_asks_for_an_upgrade(tmp_path, sample):
 def test_an_older_schema_version_is_refused_in_one_line(tmp_path, sample):
     run_dir = run_with(tmp_path, sample,
                        "UPDATE meta SET value = '1' WHERE key = 'schema_version'")
-    assert "has schema version '1'; this deepscope reads version 2 (read it with the " \
+    assert "has schema version '1'; this deepscope reads versions 2 and 3 (read it with the " \
         "deepscope release that recorded it)" in refusal(run_dir)
     with pytest.raises(ValueError, match="schema version 1.*new run name"):
         deepscope.Scope(tmp_path, "run", resume=True)

@@ -152,18 +152,23 @@ def test_steps_queued_behind_each_other_share_one_commit_in_order(tmp_path, monk
     assert list(run.notes()["text"]) == ["between"]
 
 
-def test_a_failing_step_in_a_group_is_skipped_alone(tmp_path, monkeypatch):
-    """Step 2 of the group 1-3 cannot be written: the group is rolled back and its steps
-    written one by one; step 2 alone is skipped (its KPIs kept), 1 and 3 are committed."""
-    inside, release, transactions = hold_writer_in_step_0(monkeypatch)
+def fail_writing(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    """Make writing `step` fail inside its transaction, after all its rows are inserted."""
     write_step = StoreWriter._write_step
 
     def failing(self: StoreWriter, p: StepPayload, summary: object) -> None:
         write_step(self, p, summary)
-        if p.step == 2:
+        if p.step == step:
             raise sqlite3.IntegrityError("crafted failure")
 
     monkeypatch.setattr(StoreWriter, "_write_step", failing)
+
+
+def test_a_failing_step_in_a_group_is_skipped_alone(tmp_path, monkeypatch):
+    """Step 2 of the group 1-3 cannot be written: the group is rolled back and its steps
+    written one by one; step 2 alone is skipped (its KPIs kept), 1 and 3 are committed."""
+    inside, release, transactions = hold_writer_in_step_0(monkeypatch)
+    fail_writing(monkeypatch, 2)
     with deepscope.Scope(tmp_path, "r", schedule=1) as scope:
         record(scope, range(1))
         assert inside.wait(60)
@@ -175,3 +180,20 @@ def test_a_failing_step_in_a_group_is_skipped_alone(tmp_path, monkeypatch):
     assert written == [[0], [1], ["_Kpis"], [3]]  # step 2's KPIs in its place
     run = deepscope.open_run(tmp_path / "r")
     assert run.steps() == [0, 1, 3] and list(run.kpis("k")["step"]) == [0, 1, 2, 3]
+
+
+def test_a_tensor_first_written_by_a_rolled_back_step_is_written_again(tmp_path, monkeypatch):
+    """Regression: step 0 introduces tensor "x" and fails inside its transaction (rolled
+    back, skipped); the writer kept x's id from the rolled-back insert, so step 1's records
+    pointed at a tensor row that was never committed and read as nothing."""
+    fail_writing(monkeypatch, 0)
+    with deepscope.Scope(tmp_path, "r", schedule=1) as scope:
+        record(scope, range(1))
+        with pytest.raises(deepscope.RecordingError, match="step 0 skipped"):
+            scope.flush()
+        record(scope, range(1, 2))
+    run = deepscope.open_run(tmp_path / "r")
+    assert run.steps() == [1]
+    assert list(run.tensors()["name"]) == ["x"]
+    stats = run.stats_wide("x")
+    assert list(stats["step"]) == [1] and float(stats["mean"].iloc[0]) == 1.0

@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import CorruptRunError
 from . import arrays, codecs, limits
 from .layout import check_run_id
-from .schema import DDL, OPTIONAL_TABLES, SCHEMA_VERSION
+from .schema import DDL, OPTIONAL_TABLES, READABLE_VERSIONS, SCHEMA_VERSION
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 # Python's sqlite3 raises UnicodeDecodeError instead of DatabaseError when SQLite's message
@@ -94,6 +94,12 @@ def _check_tables(con: sqlite3.Connection, path: Path, tables: list[str]) -> Non
                 f"{table!r} has unexpected columns")
 
 
+def readable_versions() -> str:
+    """The schema versions this deepscope reads, in words ("2 and 3")."""
+    *first, last = [str(v) for v in READABLE_VERSIONS]
+    return f"{', '.join(first)} and {last}" if first else last
+
+
 def _check_store(con: sqlite3.Connection, path: Path) -> None:
     """The file is a deepscope store of this schema version, with nothing crafted in it."""
     for pragma in ("query_only=ON", "trusted_schema=OFF", "cell_size_check=ON"):
@@ -104,12 +110,12 @@ def _check_store(con: sqlite3.Connection, path: Path) -> None:
     version = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
     if version is None:
         raise _corrupt(f"{path} has no schema version; it is not a deepscope store")
-    if version[0] != str(SCHEMA_VERSION):
+    if version[0] not in [str(v) for v in READABLE_VERSIONS]:
         older = version[0] in [str(v) for v in range(1, SCHEMA_VERSION)]
         fix = ("read it with the deepscope release that recorded it" if older
                else "upgrade deepscope to read newer runs")
         raise _corrupt(f"{path} has schema version {str(version[0])[:20]!r}; this deepscope "
-                       f"reads version {SCHEMA_VERSION} ({fix})")
+                       f"reads versions {readable_versions()} ({fix})")
     present = _present_tables(con)
     _check_tables(con, path, [t for t in expected_tables() if t != "meta"
                               and (t not in OPTIONAL_TABLES or t in present)])

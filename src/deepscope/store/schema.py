@@ -4,7 +4,10 @@ Every table is plain SQL; arrays are raw little-endian bytes with `dtype` and `s
 (see `arrays.py`). Nothing here can execute code when read.
 """
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+# Versions this deepscope reads, and resumes in their own layout. 3 differs from 2 only in
+# the primary key of `arrays` (step first); the columns, and so every query, are the same.
+READABLE_VERSIONS: tuple[int, ...] = (2, 3)
 APPLICATION_ID = 0x44534350  # "DSCP": marks the file as a deepscope store for `file(1)` and us
 
 SAMPLE_MAX_VALUES = 65536  # the stored full values of one batch item are cut to this many
@@ -45,12 +48,15 @@ CREATE INDEX IF NOT EXISTS records_by_step ON records (step, iteration);
 CREATE TABLE IF NOT EXISTS step_blobs (
     step INTEGER NOT NULL, part INTEGER NOT NULL, codec TEXT NOT NULL,
     raw_bytes INTEGER NOT NULL, data BLOB NOT NULL, PRIMARY KEY (step, part));
--- Keyed by record first, then view: listing a record's views and reading one share the key.
+-- Keyed by step first (version 3): a step's rows are appended together, so a commit writes a
+-- few pages, not one per tensor (version 2's key began with tensor_id: ~50 scattered pages
+-- per step of a 24-tensor MLP). Every read gives the step: listing a record's views and
+-- reading one are lookups of the key's prefix either way.
 CREATE TABLE IF NOT EXISTS arrays (
     tensor_id INTEGER NOT NULL, direction TEXT NOT NULL, view TEXT NOT NULL,
     step INTEGER NOT NULL, iteration INTEGER NOT NULL, dtype TEXT NOT NULL, shape TEXT NOT NULL,
     part INTEGER NOT NULL, offset INTEGER NOT NULL, nbytes INTEGER NOT NULL,
-    PRIMARY KEY (tensor_id, direction, step, iteration, view)) WITHOUT ROWID;
+    PRIMARY KEY (step, tensor_id, direction, iteration, view)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS graphs (hash TEXT PRIMARY KEY, body TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS iterations (
     step INTEGER NOT NULL, iteration INTEGER NOT NULL, graph TEXT NOT NULL,

@@ -38,7 +38,7 @@ from ..errors import RecordingError
 from ..records import InstrumentWarning, QuantityValue, StepPayload, StepSummary, TensorInfo
 from . import arrays, codecs
 from .layout import check_run_id, lock_file, parse_run_id, sidecar_run_id
-from .schema import APPLICATION_ID, DDL, SCHEMA_VERSION, STAT_COLUMNS
+from .schema import APPLICATION_ID, DDL, READABLE_VERSIONS, SCHEMA_VERSION, STAT_COLUMNS
 
 try:
     import fcntl
@@ -274,6 +274,7 @@ class StoreWriter:
         self._unreported: dict[str, list] = {}
         self._reported: set[str] = set()
         self._tensor_ids: dict[str, int] = {}
+        self._new_tensors: list[str] = []  # names inserted by the open transaction
         self._busy_since: float | None = None
         self._next_probe = 0.0
         self._pid = os.getpid()
@@ -314,15 +315,18 @@ class StoreWriter:
     def _init_meta(self, meta: dict[str, Any], resume: bool) -> None:
         con = self._con
         stored = dict(con.execute("SELECT key, value FROM meta").fetchall())
+        version = str(SCHEMA_VERSION)
         if stored:
             version = stored.get("schema_version")
-            if version != str(SCHEMA_VERSION):
+            if version not in [str(v) for v in READABLE_VERSIONS]:
                 raise ValueError(
                     f"{self.path} has schema version {version}, this deepscope writes "
                     f"{SCHEMA_VERSION}; record into a new run name")
             if not resume:
                 raise ValueError(f"{self.path} already holds a run; pass resume=True")
-        rows = {"schema_version": str(SCHEMA_VERSION),
+        # A resumed run keeps its version: its tables keep the layout they were created with
+        # (the DDL's CREATE TABLE IF NOT EXISTS leaves them), and the columns are the same.
+        rows = {"schema_version": version,
                 **{k: json.dumps(v) for k, v in meta.items()}, "run_id": json.dumps(self.run_id)}
         if not stored:
             rows["created"] = json.dumps(time.time())
@@ -589,6 +593,7 @@ class StoreWriter:
             raise RunDeleted(f"{self.path} was deleted or replaced while recording; record "
                            "into a new run")
         con.execute("BEGIN IMMEDIATE")
+        self._new_tensors = []
         try:
             for item, summary in items:
                 self._write_item(item, summary)
@@ -598,6 +603,8 @@ class StoreWriter:
                         (json.dumps(self.run_id),))
             con.execute("COMMIT")
         except BaseException:
+            for name in self._new_tensors:  # rolled back: inserted again when next written
+                del self._tensor_ids[name]
             if con.in_transaction:  # SQLite itself rolls back on SQLITE_FULL / IOERR
                 con.execute("ROLLBACK")
             raise
@@ -669,19 +676,22 @@ class StoreWriter:
                 (info.name, info.role, info.node, info.role_in_node, json.dumps(info.shape),
                  info.dtype, info.batch_dim))
             tid = self._tensor_ids[info.name] = int(cur.lastrowid)
+            self._new_tensors.append(info.name)
         return tid
 
     def _write_step(self, p: StepPayload, summary: StepSummary) -> None:
         con = self._con
-        ids = {t.name: self._tensor_id(t) for t in p.tensors}
-        ids.update({n: self._tensor_ids[n] for n, _, _ in summary.keys if n not in ids})
+        for t in p.tensors:
+            self._tensor_id(t)
+        ids = self._tensor_ids  # every name of the step is in it now
         if summary.keys:
+            stats = summary.stats.astype(object)  # NaN (missing) is stored as NULL
+            stats[np.isnan(summary.stats)] = None
             marks = ", ".join("?" * (4 + len(STAT_COLUMNS)))
             con.executemany(
                 f"INSERT OR REPLACE INTO records VALUES ({marks})",
-                [(ids[name], direction, p.step, iteration, *[v if v == v else None for v in row])
-                 for (name, direction, iteration), row in zip(summary.keys,
-                                                              summary.stats.tolist())])
+                [(ids[name], direction, p.step, iteration, *row)
+                 for (name, direction, iteration), row in zip(summary.keys, stats.tolist())])
         if summary.arrays:
             # Each part holds one dtype; its element size picks the codec.
             itemsizes = {part: arrays.itemsize(dtype)
@@ -695,8 +705,8 @@ class StoreWriter:
             con.executemany("INSERT OR REPLACE INTO step_blobs VALUES (?, ?, ?, ?, ?)", blobs)
             con.executemany(
                 "INSERT OR REPLACE INTO arrays VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(ids.get(name) or self._tensor_ids[name], direction, view, p.step, iteration,
-                  dtype, shape, part, offset, nbytes)
+                [(ids[name], direction, view, p.step, iteration, dtype, shape, part, offset,
+                  nbytes)
                  for name, direction, view, iteration, dtype, shape, part, offset, nbytes
                  in summary.arrays])
         con.executemany("INSERT OR IGNORE INTO graphs VALUES (?, ?)", list(p.graphs.items()))
