@@ -418,9 +418,13 @@ def test_gradient_norm_flags_explosion_and_vanishing_only_when_they_happen():
     assert len(only(results)) == len(exploding) + len(vanishing)
 
 
-def test_loss_spike_runs_every_step_and_compares_with_the_running_median():
+@pytest.mark.parametrize("light", [False, True])
+def test_loss_spike_runs_every_step_and_compares_with_the_running_median(light):
+    """light: without the trace and with gradients every 10th step, the steps in between
+    check their loss on the host alone (no step record); the spike is found the same."""
     model = mlp(nn.Identity())
-    monitor = HealthMonitor(model, detectors=[LossSpike()], detector_every=7)
+    monitor = HealthMonitor(model, detectors=[LossSpike()], detector_every=7,
+                            **({"trace": False, "grad_every": 10} if light else {}))
     losses = {}
 
     def loss_of(step, out, y):
@@ -516,6 +520,82 @@ def test_update_ratio_flags_steps_out_of_range():
     model = mlp(nn.Identity())
     monitor = HealthMonitor(model, detectors=[UpdateRatio()])
     assert only(train(model, monitor, 2, optimise=False)) == []
+
+
+def test_update_ratios_match_a_brute_force_snapshot_on_every_detector_step():
+    """The snapshot is reused between detector steps (and remade when a parameter is
+    replaced by one of another shape); each ratio is ‖θ_after − θ_before‖ / ‖θ_before‖ of
+    that step, computed here in float64 from copies taken around the optimiser step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    detector = UpdateRatio(low=0.0, high=1e-12)  # every weight is reported... once per episode
+    monitor = HealthMonitor(model, detectors=[detector], detector_every=2, trace=False)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    expected, got = {}, {}
+    for step in range(7):
+        if step == 4:  # a new, larger last layer: its snapshot is remade
+            model[2] = nn.Linear(8, 5)
+            monitor.close()
+            detector._active.clear()
+            monitor = HealthMonitor(model, detectors=[detector], detector_every=2,
+                                    trace=False)
+            monitor._starts = 1  # step 4 is not a detector step, step 5 is
+            opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        weights = {n: p for n, p in model.named_parameters() if p.dim() == 2}
+        before = {n: p.detach().double().clone() for n, p in weights.items()}
+        monitor.start(step, "train")
+        loss = F.cross_entropy(model(torch.randn(16, 6)), torch.randint(0, 3, (16,)))
+        monitor.loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        for f in monitor.finish(step)[0]:
+            got[(step, f.tensor)] = f.value
+            detector._active.clear()  # report every step, not once per episode
+        expected.update({(step, n): ((p.detach().double() - before[n]).norm()
+                                     / before[n].norm()).item()
+                         for n, p in weights.items()})
+    assert {s for s, _ in got} == {0, 2, 5}
+    for key, value in got.items():
+        assert value == pytest.approx(expected[key], rel=1e-5), key
+
+
+def test_dead_units_of_an_activation_with_negative_outputs():
+    """Hardswish is negative for inputs in (-3, 0): those outputs are not zero, and a unit
+    with only negative outputs is alive."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.Hardswish())
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.copy_(torch.tensor([-1.0, -1.0, -1.0, -5.0, -5.0, 0.0]))
+    monitor = HealthMonitor(model, detectors=[DeadUnits(saturation=0.3, dead=0.3)],
+                            trace=False)
+    monitor.start(0, "train")
+    with torch.no_grad():
+        model(torch.randn(8, 4))
+    found = {f.detector: f.value for f in monitor.finish(0)[0]}
+    assert found == {"saturation": pytest.approx(0.5), "dead_units": pytest.approx(0.5)}
+
+
+def test_history_median_matches_statistics_median_over_a_sliding_window():
+    import random
+    import statistics
+    from collections import deque
+
+    from deepscope.anomalies.detectors import _History
+
+    rng = random.Random(0)
+    history, window = _History(window=7, min_history=3), deque(maxlen=7)
+    for _ in range(200):
+        value = rng.choice([rng.random(), 0.5, float(rng.randint(0, 3))])
+        ratio, median, n = history.ratio("k", value)
+        assert n == len(window)
+        if n >= 3:
+            assert median == statistics.median(window)
+            assert ratio == (value / median if median > 0 else None)
+        else:
+            assert math.isnan(median) and ratio is None
+        window.append(value)
+    assert history.ratio("k", NAN)[2] == 7 and history.ratio("k", 1.0)[2] == 7  # not kept
 
 
 def test_custom_detector_sees_the_step_and_eval_steps_skip_stale_gradients():
@@ -736,6 +816,69 @@ def test_gradient_only_nan_on_an_unchecked_step_is_missed_when_never_applied():
     monitor = HealthMonitor(model, detectors=[], trace=False, grad_every=10)
     found = only(train(model, monitor, 12, before=switch_at(fault, 10), optimise=False))
     assert [(f.step, f.tensor) for f in found] == [(10, "0.weight")]
+
+
+def test_a_step_without_a_loss_checks_its_gradients():
+    """With gradients every 10th step, a step whose loss is not given is checked by its
+    gradients: a NaN gradient at step 3 is found at step 3."""
+    fault = NaNGradAt()
+    model = mlp(fault)
+    monitor = HealthMonitor(model, detectors=[LossSpike()], trace=False, grad_every=10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    found = []
+    for step in range(6):
+        fault.fire = step == 3
+        monitor.start(step, "train")
+        loss = F.cross_entropy(model(torch.randn(16, 6)), torch.randint(0, 3, (16,)))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        found += monitor.finish(step)[0]
+    assert [(f.step, f.tensor, f.detector) for f in found] == [(3, "0.weight", "nonfinite")]
+
+
+@pytest.mark.parametrize("grad_every", [1, 10])
+def test_a_later_micro_batch_with_an_infinite_loss_is_found_at_its_step(grad_every):
+    """Two micro-batches per step, the second one's loss infinite at step 4: the finding is the
+    loss of step 4, whether or not the step's gradients were due for a check."""
+    torch.manual_seed(0)
+    model = mlp(nn.Identity())
+    monitor = HealthMonitor(model, detectors=[LossSpike()], trace=False,
+                            grad_every=grad_every)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    found, record_next = [], {}
+    for step in range(7):
+        monitor.start(step, "train")
+        opt.zero_grad()
+        for micro in range(2):
+            loss = F.cross_entropy(model(torch.randn(8, 6)), torch.randint(0, 3, (8,)))
+            if step == 4 and micro == 1:
+                loss = loss * INF
+            monitor.loss(loss)
+            (loss / 2).backward()
+        opt.step()
+        findings, record_next[step] = monitor.finish(step)
+        found += findings
+    assert [(f.step, f.tensor, f.detector) for f in found] == [(4, "loss", "nonfinite")]
+    assert record_next[4] == monitor.record_next
+
+
+def test_a_light_step_left_without_finish_is_dropped_and_checks_go_on():
+    """A step that raised before finish(): the next start() drops it, its loss included; a
+    NaN gradient at step 3 is still named at step 3 (from step 4's non-finite loss)."""
+    torch.manual_seed(0)
+    fault = NaNGradAt()
+    model = mlp(fault)
+    monitor = HealthMonitor(model, detectors=[LossSpike()], trace=False, grad_every=10)
+    monitor.start(0, "train")
+    monitor.loss(torch.tensor(1.0))  # step 0 raised in the user's code after this
+    with pytest.raises(ValueError, match="finish\\(0\\) called after start of step 1"):
+        monitor.start(1, "train")
+        monitor.finish(0)
+    results = train(model, monitor, 6, before=lambda s: switch_at(fault, 3)(s + 2))
+    found = only(results)
+    assert [(f.step, f.tensor) for f in found] == [(1, "0.weight")]
+    assert "found at step 2" in found[0].message
 
 
 def test_grad_every_is_validated():
