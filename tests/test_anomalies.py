@@ -442,7 +442,9 @@ def test_loss_spike_runs_every_step_and_compares_with_the_running_median(light):
 
 def test_dead_and_saturated_relu_units_are_flagged_and_healthy_ones_are_not():
     model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
-    monitor = HealthMonitor(model, detectors=[DeadUnits()], detector_every=5)
+    dead = DeadUnits()
+    dead.period = 1  # on every detector step (default: every 5th)
+    monitor = HealthMonitor(model, detectors=[dead], detector_every=5)
     assert only(train(model, monitor, 10)) == []
     with torch.no_grad():
         model[0].bias[:24] = -100.0  # 24 of 32 units can never fire
@@ -529,6 +531,7 @@ def test_update_ratios_match_a_brute_force_snapshot_on_every_detector_step():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
     detector = UpdateRatio(low=0.0, high=1e-12)  # every weight is reported... once per episode
+    detector.period = 1
     monitor = HealthMonitor(model, detectors=[detector], detector_every=2, trace=False)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     expected, got = {}, {}
@@ -596,6 +599,31 @@ def test_history_median_matches_statistics_median_over_a_sliding_window():
             assert math.isnan(median) and ratio is None
         window.append(value)
     assert history.ratio("k", NAN)[2] == 7 and history.ratio("k", 1.0)[2] == 7  # not kept
+
+
+def test_detector_periods_thin_the_costly_detectors():
+    """A detector of period p runs on every p-th detector step, from the first; the update
+    ratio and the activation detector default to 5 (every 50 steps), the others to 1."""
+    seen: dict[int, list[int]] = {1: [], 5: []}
+
+    class Spy(Detector):
+        name = "spy"
+
+        def __init__(self, period: int) -> None:
+            super().__init__()
+            self.period = period
+
+        def begin(self, ctx: StepContext) -> None:
+            seen[self.period].append(ctx.step)
+
+    model = mlp(nn.Identity())
+    monitor = HealthMonitor(model, detectors=[Spy(1), Spy(5)], trace=False, grad_every=10)
+    train(model, monitor, 101)
+    assert seen == {1: list(range(0, 101, 10)), 5: [0, 50, 100]}
+    assert DeadUnits().period == UpdateRatio().period == 5
+    assert GradientNorm().period == LossSpike().period == 1
+    with pytest.raises(ValueError, match="spy: period must be an integer >= 1"):
+        HealthMonitor(model, detectors=[Spy(0)])
 
 
 def test_custom_detector_sees_the_step_and_eval_steps_skip_stale_gradients():

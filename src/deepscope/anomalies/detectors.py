@@ -1,21 +1,24 @@
 """Detectors: cheap per-step judgements of training health, each producing `Finding` rows.
 
 The `HealthMonitor` runs them every `detector_every` steps (a *detector step*), except those
-marked `every_step`. Histories are kept per step kind (train and eval losses differ) and
-compare a value with the median of the last `window` checks *before* it, so one outlier does
-not move the baseline. A tensor is reported once per episode: when it turns anomalous, not
-again until a check finds it normal. Defaults:
+marked `every_step`, and those with a `period` > 1, which run on every period-th detector step
+only (the update ratio's snapshot and the activation hooks cost ~10× the rest of a detector
+step; what they watch moves slowly). Histories are kept per step kind (train and eval losses
+differ) and compare a value with the median of the last `window` checks *before* it, so one
+outlier does not move the baseline. A tensor is reported once per episode: when it turns
+anomalous, not again until a check finds it normal. Defaults:
 
-| finding              | value                                     | flagged when      | history |
-|----------------------|-------------------------------------------|-------------------|---------|
-| `exploding_gradient` | ‖∇θ‖ / median of past checks, per param   | ratio ≥ 10        | 20 (5)  |
-| `vanishing_gradient` | same ratio                                | ratio ≤ 0.01      | 20 (5)  |
-| `loss_spike`         | loss / median of past losses, every step  | ratio ≥ 3         | 50 (10) |
-| `saturation`         | share of exact zeros, ReLU-like output    | ≥ 0.95            | -       |
-| `dead_units`         | share of units zero for every batch item  | ≥ 0.5, batch ≥ 8  | -       |
-| `update_ratio`       | ‖Δθ‖ / ‖θ‖ per weight (dim ≥ 2)           | < 1e-6 or > 0.1   | -       |
+|finding| value                                   | flagged when     | history | run |
+|-|-----------------------------------------|------------------|---------|-----|
+|`exploding_gradient`| ‖∇θ‖ / median of past checks, per param | ratio ≥ 10       | 20 (5)  | 10  |
+|`vanishing_gradient`| same ratio                              | ratio ≤ 0.01     | 20 (5)  | 10  |
+|`loss_spike`| loss / median of past losses            | ratio ≥ 3        | 50 (10) | 1   |
+|`saturation`| share of exact zeros, ReLU-like output  | ≥ 0.95           | -       | 50  |
+|`dead_units`| units zero for every batch item         | ≥ 0.5, batch ≥ 8 | -       | 50  |
+|`update_ratio`| ‖Δθ‖ / ‖θ‖ per weight (dim ≥ 2)         | < 1e-6 or > 0.1  | -       | 50  |
 
 history: window of past checks (minimum needed before judging); checks are per step kind.
+run: every how many steps, with the default `detector_every=10` (`period` 5 for the last three).
 
 `exploding_gradient` and `loss_spike` are *acute*: a finding makes the recorder record the
 next steps in full (as `nonfinite` does). The loss spike runs every step because the loss
@@ -69,7 +72,9 @@ class Detector:
 
     name: the detector's name (custom detectors report under it). acute: the finding detector
     names that make the recorder record the next steps in full. every_step: run on every
-    step, not only on detector steps. observes_outputs: receive `observe` calls. shared: its
+    step, not only on detector steps. period: run on every period-th detector step only
+    (counting from the first; set it on an instance to change it, e.g. `d.period = 1`).
+    observes_outputs: receive `observe` calls. shared: its
     findings rest on values the same on every rank of a DDP job (the averaged gradients, the
     parameters), so in a distributed run its acute findings still start `record_next`
     (default False: a custom detector's findings are reported there, not followed).
@@ -78,6 +83,7 @@ class Detector:
     name: ClassVar[str] = "detector"
     acute: ClassVar[frozenset[str]] = frozenset()
     every_step: ClassVar[bool] = False
+    period: int = 1
     observes_outputs: ClassVar[bool] = False
     shared: ClassVar[bool] = False
 
@@ -237,6 +243,7 @@ class DeadUnits(Detector):
 
     name = "dead_units"
     observes_outputs = True
+    period = 5
 
     def __init__(self, saturation: float = 0.95, dead: float = 0.5, min_batch: int = 8,
                  types: tuple[type[nn.Module], ...] = RELU_LIKE) -> None:
@@ -322,6 +329,7 @@ class UpdateRatio(Detector):
     """
 
     name = "update_ratio"
+    period = 5
 
     def __init__(self, low: float = 1e-6, high: float = 0.1, min_dim: int = 2) -> None:
         super().__init__()

@@ -89,7 +89,8 @@ class HealthMonitor:
     record_next: how many following steps the recorder should record in full after an acute
     finding (`nonfinite`, `exploding_gradient`, `loss_spike`). detectors: default
     `default_detectors()`; [] for the health check alone. detector_every: run the detectors on
-    every n-th step (counting `start` calls, from the first), except `every_step` ones.
+    every n-th step (counting `start` calls, from the first), except `every_step` ones, and
+    those of a `period` > 1 on every period-th of those steps (see `detectors`).
     on_anomaly: called with each finding after the step; raise `StopTraining` in it to stop
     (raised from the next `start`), or set a flag your loop reads. trace: keep the per-module
     statistics that locate the first non-finite value (default); False checks only the loss
@@ -128,6 +129,9 @@ class HealthMonitor:
         for d in self.detectors:
             if not isinstance(d, Detector):
                 raise TypeError(f"detectors must be Detector instances, got {type(d).__name__}")
+            if isinstance(d.period, bool) or not isinstance(d.period, int) or d.period < 1:
+                raise ValueError(f"detector {d.name}: period must be an integer >= 1, got "
+                                 f"{d.period!r}")
         self.record_next = record_next
         self.detector_every = detector_every
         self.on_anomaly = on_anomaly
@@ -145,6 +149,7 @@ class HealthMonitor:
         self._slot_sets: list[dict[tuple[torch.device, torch.dtype], Slots]] = [{}, {}]
         self._parity = 0
         self._starts = 0
+        self._detections = 0  # detector steps so far
         self._step: StepRecord | None = None
         # A light step: one that checks only its loss, on the host, whose every-step detectors
         # do no device work (the loss spike). It has no StepRecord unless its loss is not
@@ -199,6 +204,8 @@ class HealthMonitor:
         detect = self._starts % self.detector_every == 0
         grads_due = self._starts % self.grad_every == 0
         self._starts += 1
+        if detect:
+            self._detections += 1
         # The loss is checked on every step, gradients every grad_every steps and on detector
         # steps; with the trace, or deferred (the loss cannot be read before the update), on
         # every step.
@@ -219,7 +226,9 @@ class HealthMonitor:
             self._held = self._merge(self._held, self._judge_pending())
         for s in slots.values():
             s.used = 0
-        due = [d for d in self.detectors if detect or d.every_step]
+        nth = self._detections - 1  # of this detector step, from 0
+        due = [d for d in self.detectors
+               if d.every_step or (detect and nth % d.period == 0)]
         rec = StepRecord(step, kind, StepContext(step, kind, self._params), slots, due,
                          [d for d in due if d.observes_outputs])
         rec.check_grads = rec.shared_check = check
