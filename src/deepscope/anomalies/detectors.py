@@ -8,14 +8,14 @@ differ) and compare a value with the median of the last `window` checks *before*
 outlier does not move the baseline. A tensor is reported once per episode: when it turns
 anomalous, not again until a check finds it normal. Defaults:
 
-|finding| value                                   | flagged when     | history | run |
-|-|-----------------------------------------|------------------|---------|-----|
-|`exploding_gradient`| ‖∇θ‖ / median of past checks, per param | ratio ≥ 10       | 20 (5)  | 10  |
-|`vanishing_gradient`| same ratio                              | ratio ≤ 0.01     | 20 (5)  | 10  |
-|`loss_spike`| loss / median of past losses            | ratio ≥ 3        | 50 (10) | 1   |
-|`saturation`| share of exact zeros, ReLU-like output  | ≥ 0.95           | -       | 50  |
-|`dead_units`| units zero for every batch item         | ≥ 0.5, batch ≥ 8 | -       | 50  |
-|`update_ratio`| ‖Δθ‖ / ‖θ‖ per weight (dim ≥ 2)         | < 1e-6 or > 0.1  | -       | 50  |
+| finding              | value                                  | flagged when     | history | run |
+|----------------------|----------------------------------------|------------------|---------|-----|
+| `exploding_gradient` | ‖∇θ‖ / median of its past checks       | ratio ≥ 10       | 20 (5)  | 10  |
+| `vanishing_gradient` | same ratio                             | ratio ≤ 0.01     | 20 (5)  | 10  |
+| `loss_spike`         | loss / median of past losses           | ratio ≥ 3        | 50 (10) | 1   |
+| `saturation`         | share of exact zeros, ReLU-like output | ≥ 0.95           | -       | 50  |
+| `dead_units`         | units zero for every batch item        | ≥ 0.5, batch ≥ 8 | -       | 50  |
+| `update_ratio`       | ‖Δθ‖ / ‖θ‖ per weight (dim ≥ 2)        | < 1e-6 or > 0.1  | -       | 50  |
 
 history: window of past checks (minimum needed before judging); checks are per step kind.
 run: every how many steps, with the default `detector_every=10` (`period` 5 for the last three).
