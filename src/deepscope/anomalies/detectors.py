@@ -190,15 +190,16 @@ class GradientNorm(Detector):
             ratio, median, n = self._history.ratio((ctx.kind, name), norm)
             if ratio is None:
                 continue
-            window = f"the median {median:.3g} of its previous {n} checks"
             if self._episode((ctx.kind, name, "explode"), ratio >= self.explode):
                 found.append(Finding(
                     ctx.step, name, "exploding_gradient", ratio, self.explode,
-                    f"gradient norm of {name} is {norm:.3g}, {ratio:.3g}× {window}"))
+                    f"gradient norm of {name} is {norm:.3g}, {ratio:.3g}× the median "
+                    f"{median:.3g} of its previous {n} checks"))
             if self._episode((ctx.kind, name, "vanish"), ratio <= self.vanish):
                 found.append(Finding(
                     ctx.step, name, "vanishing_gradient", ratio, self.vanish,
-                    f"gradient norm of {name} fell to {norm:.3g}, {ratio:.3g}× {window}"))
+                    f"gradient norm of {name} fell to {norm:.3g}, {ratio:.3g}× the median "
+                    f"{median:.3g} of its previous {n} checks"))
         return found
 
 

@@ -158,6 +158,7 @@ class HealthMonitor:
         self._light_due = every if all(map(_host_only, every)) else None
         self._light: tuple[int, str] | None = None
         self._light_loss: tuple[float, str] | None = None
+        self._light_ctx = StepContext(0, "", self._params)
         self._pending: _Pending | None = None
         self._held: tuple[list[Finding], int] = ([], 0)  # judged, not yet handed over
         # Hooks may run on several threads at once (autograd's per-device workers,
@@ -319,16 +320,21 @@ class HealthMonitor:
         return self._merge(held, self._judge_pending())
 
     def _finish_light(self, step: int, kind: str) -> tuple[list[Finding], int]:
-        """End a light step: its finite loss judged by the every-step detectors."""
+        """End a light step: its finite loss judged by the every-step detectors. Kept short:
+        it runs on most steps, right after the step's kernels, where each line costs."""
         value, name = self._light_loss
         self._light_loss = None
         self._unchecked = (step, kind)
         self._nonfinite = False  # a finite step ends an episode of non-finite ones
         findings: list[Finding] = []
-        if self._light_due:
-            ctx = StepContext(step, kind, self._params, loss=value, loss_name=name)
-            for d in self._light_due:
-                findings += self._guard(step, d.judge, ctx, {}) or []
+        ctx = self._light_ctx  # one context for all light steps (a new one costs ~5 µs)
+        ctx.step, ctx.kind, ctx.loss, ctx.loss_name = step, kind, value, name
+        for d in self._light_due:
+            found = self._guard(step, d.judge, ctx, {})
+            if found:
+                findings += found
+        if not findings and not self._held[0] and not self._held[1]:
+            return findings, 0  # (nothing pending: a light step is never deferred)
         return self._merge(self.flush(), self._conclude(findings, False, []))
 
     def _judge_pending(self) -> tuple[list[Finding], int]:
