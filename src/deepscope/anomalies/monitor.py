@@ -256,7 +256,7 @@ class HealthMonitor:
             if self._light is None:
                 raise ValueError("monitor.loss(...) called outside a step; call start(step, "
                                  "kind) first")
-            if loss.device.type == "cpu":  # (a light step is not deferred)
+            if loss.is_cpu:  # (a light step is not deferred)
                 value = loss.item()  # on the CPU a read costs no sync: the loss is there now
                 if math.isfinite(value):
                     self._light_loss = (value, name)

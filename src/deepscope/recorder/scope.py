@@ -532,6 +532,8 @@ class Scope:
             return []
         findings, record_next = result
         self._force_record = max(self._force_record, record_next)
+        if not findings:  # most steps
+            return findings
         if self._world > 1:  # each rank's file: the message says which rank found it
             findings = [replace(f, message=f"rank {self.rank}: {f.message}") for f in findings]
         self.writer.submit_anomalies([(f.step, f.tensor, f.detector, f.value, f.threshold,
