@@ -22,16 +22,21 @@ What it costs, every step (no statistic is synchronised on its own):
   non_blocking copy into pinned memory read one step later (`finish(t + 1)` returns step t's
   findings), so the GPU queue never drains.
 - with grad_every=n (the recorder's default check uses 10), on the steps in between:
-  the loss alone, read on the CPU where it costs no sync, and no torch op at all. When the
+  the loss alone, read on the CPU where it costs no sync, and no torch op at all (a *light*
+  step: no step record, the loss-spike detector judges the value on the host). When the
   loss of step t + 1 is not finite and step t's gradients were not checked, the parameters
   are checked at once (before step t + 1's backward and update): if they are non-finite
   already, step t's update made them so, and step t is reported, naming the non-finite
   gradient it still holds (the usual loop zeroes gradients after the forward), or else the
   parameter, saying the gradient is gone. Otherwise step t + 1 is checked in full.
-Measured on a 784-256-256-10 MLP, batch 128, one CPU thread (a shared 2-core VM, median of
-interleaved steps): about +4% per step with `trace=False, grad_every=10` (the recorder's
-default; `benchmarks/unrecorded_steps.py`), +7% with grad_every=1, +22% with the trace; the hooks
-dominate (a hook or torch call costs ~10-20 µs right after a step's kernels there). The
+Measured on a 784-256-256-10 MLP, batch 128, one CPU thread (a shared, loaded 2-core VM,
+~2 ms per plain step), the monitor's own time per step with `trace=False, grad_every=10` (the
+recorder's default): ~15-40 µs on a light step, ~200-250 µs on a gradient-check step (every
+10th: the gradients' norm, the gradient-norm detector), ~650 µs more on every 50th (the
+update ratio's snapshot and norms, the activation hooks); in all ~+2-5% per step
+(`benchmarks/unrecorded_steps.py`, whose turns include every kind of step). Each torch call or
+Python frame costs ~10× more right after a step's kernels than in a warm loop, so the light
+step is kept to one `item()` and a few frames. +22% with the trace (its hooks dominate). The
 relative cost falls as layers grow, since it is per module, not per FLOP.
 
 Min and max are exact finiteness flags — a NaN or ±Inf anywhere in a tensor shows in them —

@@ -77,7 +77,9 @@ class Scope:
         distributed run, every step: see docs/distributed.md),
         the first non-finite gradient named — also when it was on an unchecked step whose
         update made the next loss non-finite (`scope.monitor.grad_every = 1` checks every
-        step) — plus the gradient / loss / activation detectors every 10 steps; "trace":
+        step) — plus the detectors: the loss spike on every step, the gradient norms every
+        10 steps, the activations and update ratios every 50 (see
+        `deepscope.anomalies.detectors`); "trace":
         also hooks every module to name the *first* tensor, forward or backward, where a
         non-finite value appears (costs more: ~20% on a small MLP); False/None: off. After
         a non-finite step the next `record_next` steps are recorded in full.
