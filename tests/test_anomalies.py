@@ -129,6 +129,16 @@ def only(results: dict, detector: str | None = None) -> list[Finding]:
             if detector is None or f.detector == detector]
 
 
+def one_forward_findings(model: nn.Module, detector: Detector, x: torch.Tensor
+                         ) -> dict[str, float]:
+    """{detector name: value} of the findings of one monitored forward of `x` (no backward)."""
+    monitor = HealthMonitor(model, detectors=[detector], trace=False)
+    monitor.start(0, "train")
+    with torch.no_grad():
+        model(x)
+    return {f.detector: f.value for f in monitor.finish(0)[0]}
+
+
 def switch_at(module: nn.Module, step: int):
     def before(s: int) -> None:
         module.fire = s == step
@@ -481,12 +491,8 @@ def test_dead_unit_fractions_match_a_brute_force_count_over_two_calls():
         model.lin.bias[:5] = -100.0  # units 0-4 dead in both calls
     outs = []
     relu.register_forward_hook(lambda m, i, o: outs.append(o.detach().clone()))
-    monitor = HealthMonitor(model, detectors=[DeadUnits(saturation=0.01, dead=0.01)],
-                            trace=False)
-    monitor.start(0, "train")
-    with torch.no_grad():
-        model(torch.randn(16, 6))
-    found = {f.detector: f.value for f in monitor.finish(0)[0]}
+    found = one_forward_findings(model, DeadUnits(saturation=0.01, dead=0.01),
+                                 torch.randn(16, 6))
     both = torch.cat(outs)
     zero_frac = (both == 0).sum().item() / both.numel()
     dead_frac = (both == 0).all(0).double().mean().item()
@@ -570,12 +576,8 @@ def test_dead_units_of_an_activation_with_negative_outputs():
     with torch.no_grad():
         model[0].weight.zero_()
         model[0].bias.copy_(torch.tensor([-1.0, -1.0, -1.0, -5.0, -5.0, 0.0]))
-    monitor = HealthMonitor(model, detectors=[DeadUnits(saturation=0.3, dead=0.3)],
-                            trace=False)
-    monitor.start(0, "train")
-    with torch.no_grad():
-        model(torch.randn(8, 4))
-    found = {f.detector: f.value for f in monitor.finish(0)[0]}
+    found = one_forward_findings(model, DeadUnits(saturation=0.3, dead=0.3),
+                                 torch.randn(8, 4))
     assert found == {"saturation": pytest.approx(0.5), "dead_units": pytest.approx(0.5)}
 
 
