@@ -2,7 +2,7 @@
 `rec.loss(per_sample=)` every step costs on steps the schedule does not choose, and what
 `Scope()`'s defaults cost on it (issue #19).
 
-    PYTHONPATH=src python benchmarks/unrecorded_steps.py [--blocks 40] [--block 10]
+    PYTHONPATH=src python benchmarks/unrecorded_steps.py [--blocks 30] [--block 50]
 
 MLP 784-256-256-10, batch 128, one torch thread, SGD. Arms: plain training;
 `Scope(schedule=never, anomalies=False)`; the same with the default health check
@@ -10,8 +10,9 @@ MLP 784-256-256-10, batch 128, one torch thread, SGD. Arms: plain training;
 whose turn ends with `scope.flush()` (the writer drained, inside the turn's time). In one
 process the arms take turns in blocks of `--block` steps on models sharing the same
 parameter tensors; the order rotates every round. A turn's time is its total over its steps
-(a mean, not a median: the health check's detector step and the recorded step come once in
-ten steps and are part of what a user pays), on three clocks: wall, CPU time of the training
+(a mean, not a median: the health check's detector steps — every 10th step, the costliest
+every 50th — and the recorded steps are part of what a user pays; a turn of 50 steps holds
+each kind in its share), on three clocks: wall, CPU time of the training
 thread (`time.thread_time`, less disturbed by other processes) and of the whole process
 (`time.process_time`: the writer thread too). An arm's ratio is taken per round against the
 plain turn of the same round. Prints, per arm and clock, the median ratio, its spread over
@@ -91,8 +92,8 @@ def _spread(values: list[float]) -> tuple[float, float, float, float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--blocks", type=int, default=40, help="rounds (default 40)")
-    parser.add_argument("--block", type=int, default=10, help="steps per turn (default 10)")
+    parser.add_argument("--blocks", type=int, default=30, help="rounds (default 30)")
+    parser.add_argument("--block", type=int, default=50, help="steps per turn (default 50)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
