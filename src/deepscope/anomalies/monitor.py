@@ -33,7 +33,7 @@ Measured on a 784-256-256-10 MLP, batch 128, one CPU thread (a shared, loaded 2-
 ~2 ms per plain step), the monitor's own time per step with `trace=False, grad_every=10` (the
 recorder's default): ~15-40 µs on a light step, ~200-250 µs on a gradient-check step (every
 10th: the gradients' norm, the gradient-norm detector), ~650 µs more on every 50th (the
-update ratio's snapshot and norms, the activation hooks); in all ~+2-5% per step
+update ratio's snapshot and norms, the activation hooks); in all ~+3-7% per step
 (`benchmarks/unrecorded_steps.py`, whose turns include every kind of step). Each torch call or
 Python frame costs ~10× more right after a step's kernels than in a warm loop, so the light
 step is kept to one `item()` and a few frames. +22% with the trace (its hooks dominate). The
