@@ -911,6 +911,29 @@ def test_a_light_step_left_without_finish_is_dropped_and_checks_go_on():
     assert "found at step 2" in found[0].message
 
 
+def test_a_failing_detector_on_light_steps_is_reported_once_and_the_others_still_judge(caplog):
+    class Broken(Detector):
+        name = "broken"
+        every_step = True
+
+        def judge(self, ctx, values):
+            raise RuntimeError("boom")
+
+    model = mlp(nn.Identity())
+    monitor = HealthMonitor(model, detectors=[Broken(), LossSpike()], trace=False,
+                            grad_every=10)
+    assert monitor._light_due is not None  # both judge from the host alone: light steps
+
+    def loss_of(step, out, y):
+        return F.cross_entropy(out, y) * (10.0 if step == 23 else 1.0)
+
+    with caplog.at_level(logging.WARNING, logger="deepscope"):
+        found = only(train(model, monitor, 26, loss_of=loss_of, optimise=False))
+    assert [(f.step, f.detector) for f in found] == [(23, "loss_spike")]
+    assert sum("detector Broken failed (RuntimeError: boom)" in r.message
+               for r in caplog.records) == 1
+
+
 def test_grad_every_is_validated():
     with pytest.raises(ValueError, match="grad_every must be an integer >= 1"):
         HealthMonitor(mlp(nn.Identity()), grad_every=0)

@@ -335,7 +335,11 @@ class HealthMonitor:
         ctx = self._light_ctx  # one context for all light steps (a new one costs ~5 µs)
         ctx.step, ctx.kind, ctx.loss, ctx.loss_name = step, kind, value, name
         for d in self._light_due:
-            found = self._guard(step, d.judge, ctx, {})
+            try:  # (not through _guard: one frame less on most steps)
+                found = d.judge(ctx, {})
+            except Exception as exc:
+                self._failed(step, d.judge, exc)
+                continue
             if found:
                 findings += found
         if not findings and not self._held[0] and not self._held[1]:
@@ -684,10 +688,14 @@ class HealthMonitor:
         try:
             return fn(*args)
         except Exception as exc:
-            self._warn_once(f"detector {type(getattr(fn, '__self__', fn)).__name__} failed "
-                            f"({type(exc).__name__}: {exc}) first at step {step}; it is "
-                            "skipped wherever it fails", key=f"{fn}{type(exc)}{exc}")
+            self._failed(step, fn, exc)
             return None
+
+    def _failed(self, step: int, fn: Callable, exc: Exception) -> None:
+        """Say once that a detector's `fn` raised `exc` (first at `step`)."""
+        self._warn_once(f"detector {type(getattr(fn, '__self__', fn)).__name__} failed "
+                        f"({type(exc).__name__}: {exc}) first at step {step}; it is "
+                        "skipped wherever it fails", key=f"{fn}{type(exc)}{exc}")
 
     def _broken(self, rec: StepRecord, exc: Exception) -> None:
         rec.broken = True
