@@ -129,6 +129,16 @@ def only(results: dict, detector: str | None = None) -> list[Finding]:
             if detector is None or f.detector == detector]
 
 
+def one_forward_findings(model: nn.Module, detector: Detector, x: torch.Tensor
+                         ) -> dict[str, float]:
+    """{detector name: value} of the findings of one monitored forward of `x` (no backward)."""
+    monitor = HealthMonitor(model, detectors=[detector], trace=False)
+    monitor.start(0, "train")
+    with torch.no_grad():
+        model(x)
+    return {f.detector: f.value for f in monitor.finish(0)[0]}
+
+
 def switch_at(module: nn.Module, step: int):
     def before(s: int) -> None:
         module.fire = s == step
@@ -418,9 +428,13 @@ def test_gradient_norm_flags_explosion_and_vanishing_only_when_they_happen():
     assert len(only(results)) == len(exploding) + len(vanishing)
 
 
-def test_loss_spike_runs_every_step_and_compares_with_the_running_median():
+@pytest.mark.parametrize("light", [False, True])
+def test_loss_spike_runs_every_step_and_compares_with_the_running_median(light):
+    """light: without the trace and with gradients every 10th step, the steps in between
+    check their loss on the host alone (no step record); the spike is found the same."""
     model = mlp(nn.Identity())
-    monitor = HealthMonitor(model, detectors=[LossSpike()], detector_every=7)
+    monitor = HealthMonitor(model, detectors=[LossSpike()], detector_every=7,
+                            **({"trace": False, "grad_every": 10} if light else {}))
     losses = {}
 
     def loss_of(step, out, y):
@@ -438,7 +452,9 @@ def test_loss_spike_runs_every_step_and_compares_with_the_running_median():
 
 def test_dead_and_saturated_relu_units_are_flagged_and_healthy_ones_are_not():
     model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
-    monitor = HealthMonitor(model, detectors=[DeadUnits()], detector_every=5)
+    dead = DeadUnits()
+    dead.period = 1  # on every detector step (default: every 5th)
+    monitor = HealthMonitor(model, detectors=[dead], detector_every=5)
     assert only(train(model, monitor, 10)) == []
     with torch.no_grad():
         model[0].bias[:24] = -100.0  # 24 of 32 units can never fire
@@ -475,12 +491,8 @@ def test_dead_unit_fractions_match_a_brute_force_count_over_two_calls():
         model.lin.bias[:5] = -100.0  # units 0-4 dead in both calls
     outs = []
     relu.register_forward_hook(lambda m, i, o: outs.append(o.detach().clone()))
-    monitor = HealthMonitor(model, detectors=[DeadUnits(saturation=0.01, dead=0.01)],
-                            trace=False)
-    monitor.start(0, "train")
-    with torch.no_grad():
-        model(torch.randn(16, 6))
-    found = {f.detector: f.value for f in monitor.finish(0)[0]}
+    found = one_forward_findings(model, DeadUnits(saturation=0.01, dead=0.01),
+                                 torch.randn(16, 6))
     both = torch.cat(outs)
     zero_frac = (both == 0).sum().item() / both.numel()
     dead_frac = (both == 0).all(0).double().mean().item()
@@ -516,6 +528,104 @@ def test_update_ratio_flags_steps_out_of_range():
     model = mlp(nn.Identity())
     monitor = HealthMonitor(model, detectors=[UpdateRatio()])
     assert only(train(model, monitor, 2, optimise=False)) == []
+
+
+def test_update_ratios_match_a_brute_force_snapshot_on_every_detector_step():
+    """The snapshot is reused between detector steps (and remade when a parameter is
+    replaced by one of another shape); each ratio is ‖θ_after − θ_before‖ / ‖θ_before‖ of
+    that step, computed here in float64 from copies taken around the optimiser step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    detector = UpdateRatio(low=0.0, high=1e-12)  # every weight is reported... once per episode
+    detector.period = 1
+    monitor = HealthMonitor(model, detectors=[detector], detector_every=2, trace=False)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    expected, got = {}, {}
+    for step in range(7):
+        if step == 4:  # a new, larger last layer: its snapshot is remade
+            model[2] = nn.Linear(8, 5)
+            monitor.close()
+            detector._active.clear()
+            monitor = HealthMonitor(model, detectors=[detector], detector_every=2,
+                                    trace=False)
+            monitor._starts = 1  # step 4 is not a detector step, step 5 is
+            opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        weights = {n: p for n, p in model.named_parameters() if p.dim() == 2}
+        before = {n: p.detach().double().clone() for n, p in weights.items()}
+        monitor.start(step, "train")
+        loss = F.cross_entropy(model(torch.randn(16, 6)), torch.randint(0, 3, (16,)))
+        monitor.loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        for f in monitor.finish(step)[0]:
+            got[(step, f.tensor)] = f.value
+            detector._active.clear()  # report every step, not once per episode
+        expected.update({(step, n): ((p.detach().double() - before[n]).norm()
+                                     / before[n].norm()).item()
+                         for n, p in weights.items()})
+    assert {s for s, _ in got} == {0, 2, 5}
+    for key, value in got.items():
+        assert value == pytest.approx(expected[key], rel=1e-5), key
+
+
+def test_dead_units_of_an_activation_with_negative_outputs():
+    """Hardswish is negative for inputs in (-3, 0): those outputs are not zero, and a unit
+    with only negative outputs is alive."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.Hardswish())
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.copy_(torch.tensor([-1.0, -1.0, -1.0, -5.0, -5.0, 0.0]))
+    found = one_forward_findings(model, DeadUnits(saturation=0.3, dead=0.3),
+                                 torch.randn(8, 4))
+    assert found == {"saturation": pytest.approx(0.5), "dead_units": pytest.approx(0.5)}
+
+
+def test_history_median_matches_statistics_median_over_a_sliding_window():
+    import random
+    import statistics
+    from collections import deque
+
+    from deepscope.anomalies.detectors import _History
+
+    rng = random.Random(0)
+    history, window = _History(window=7, min_history=3), deque(maxlen=7)
+    for _ in range(200):
+        value = rng.choice([rng.random(), 0.5, float(rng.randint(0, 3))])
+        ratio, median, n = history.ratio("k", value)
+        assert n == len(window)
+        if n >= 3:
+            assert median == statistics.median(window)
+            assert ratio == (value / median if median > 0 else None)
+        else:
+            assert math.isnan(median) and ratio is None
+        window.append(value)
+    assert history.ratio("k", NAN)[2] == 7 and history.ratio("k", 1.0)[2] == 7  # not kept
+
+
+def test_detector_periods_thin_the_costly_detectors():
+    """A detector of period p runs on every p-th detector step, from the first; the update
+    ratio and the activation detector default to 5 (every 50 steps), the others to 1."""
+    seen: dict[int, list[int]] = {1: [], 5: []}
+
+    class Spy(Detector):
+        name = "spy"
+
+        def __init__(self, period: int) -> None:
+            super().__init__()
+            self.period = period
+
+        def begin(self, ctx: StepContext) -> None:
+            seen[self.period].append(ctx.step)
+
+    model = mlp(nn.Identity())
+    monitor = HealthMonitor(model, detectors=[Spy(1), Spy(5)], trace=False, grad_every=10)
+    train(model, monitor, 101)
+    assert seen == {1: list(range(0, 101, 10)), 5: [0, 50, 100]}
+    assert DeadUnits().period == UpdateRatio().period == 5
+    assert GradientNorm().period == LossSpike().period == 1
+    with pytest.raises(ValueError, match="spy: period must be an integer >= 1"):
+        HealthMonitor(model, detectors=[Spy(0)])
 
 
 def test_custom_detector_sees_the_step_and_eval_steps_skip_stale_gradients():
@@ -736,6 +846,92 @@ def test_gradient_only_nan_on_an_unchecked_step_is_missed_when_never_applied():
     monitor = HealthMonitor(model, detectors=[], trace=False, grad_every=10)
     found = only(train(model, monitor, 12, before=switch_at(fault, 10), optimise=False))
     assert [(f.step, f.tensor) for f in found] == [(10, "0.weight")]
+
+
+def test_a_step_without_a_loss_checks_its_gradients():
+    """With gradients every 10th step, a step whose loss is not given is checked by its
+    gradients: a NaN gradient at step 3 is found at step 3."""
+    fault = NaNGradAt()
+    model = mlp(fault)
+    monitor = HealthMonitor(model, detectors=[LossSpike()], trace=False, grad_every=10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    found = []
+    for step in range(6):
+        fault.fire = step == 3
+        monitor.start(step, "train")
+        loss = F.cross_entropy(model(torch.randn(16, 6)), torch.randint(0, 3, (16,)))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        found += monitor.finish(step)[0]
+    assert [(f.step, f.tensor, f.detector) for f in found] == [(3, "0.weight", "nonfinite")]
+
+
+@pytest.mark.parametrize("grad_every", [1, 10])
+def test_a_later_micro_batch_with_an_infinite_loss_is_found_at_its_step(grad_every):
+    """Two micro-batches per step, the second one's loss infinite at step 4: the finding is the
+    loss of step 4, whether or not the step's gradients were due for a check."""
+    torch.manual_seed(0)
+    model = mlp(nn.Identity())
+    monitor = HealthMonitor(model, detectors=[LossSpike()], trace=False,
+                            grad_every=grad_every)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    found, record_next = [], {}
+    for step in range(7):
+        monitor.start(step, "train")
+        opt.zero_grad()
+        for micro in range(2):
+            loss = F.cross_entropy(model(torch.randn(8, 6)), torch.randint(0, 3, (8,)))
+            if step == 4 and micro == 1:
+                loss = loss * INF
+            monitor.loss(loss)
+            (loss / 2).backward()
+        opt.step()
+        findings, record_next[step] = monitor.finish(step)
+        found += findings
+    assert [(f.step, f.tensor, f.detector) for f in found] == [(4, "loss", "nonfinite")]
+    assert record_next[4] == monitor.record_next
+
+
+def test_a_light_step_left_without_finish_is_dropped_and_checks_go_on():
+    """A step that raised before finish(): the next start() drops it, its loss included; a
+    NaN gradient at step 3 is still named at step 3 (from step 4's non-finite loss)."""
+    torch.manual_seed(0)
+    fault = NaNGradAt()
+    model = mlp(fault)
+    monitor = HealthMonitor(model, detectors=[LossSpike()], trace=False, grad_every=10)
+    monitor.start(0, "train")
+    monitor.loss(torch.tensor(1.0))  # step 0 raised in the user's code after this
+    with pytest.raises(ValueError, match="finish\\(0\\) called after start of step 1"):
+        monitor.start(1, "train")
+        monitor.finish(0)
+    results = train(model, monitor, 6, before=lambda s: switch_at(fault, 3)(s + 2))
+    found = only(results)
+    assert [(f.step, f.tensor) for f in found] == [(1, "0.weight")]
+    assert "found at step 2" in found[0].message
+
+
+def test_a_failing_detector_on_light_steps_is_reported_once_and_the_others_still_judge(caplog):
+    class Broken(Detector):
+        name = "broken"
+        every_step = True
+
+        def judge(self, ctx, values):
+            raise RuntimeError("boom")
+
+    model = mlp(nn.Identity())
+    monitor = HealthMonitor(model, detectors=[Broken(), LossSpike()], trace=False,
+                            grad_every=10)
+    assert monitor._light_due is not None  # both judge from the host alone: light steps
+
+    def loss_of(step, out, y):
+        return F.cross_entropy(out, y) * (10.0 if step == 23 else 1.0)
+
+    with caplog.at_level(logging.WARNING, logger="deepscope"):
+        found = only(train(model, monitor, 26, loss_of=loss_of, optimise=False))
+    assert [(f.step, f.detector) for f in found] == [(23, "loss_spike")]
+    assert sum("detector Broken failed (RuntimeError: boom)" in r.message
+               for r in caplog.records) == 1
 
 
 def test_grad_every_is_validated():

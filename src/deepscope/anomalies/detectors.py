@@ -1,21 +1,24 @@
 """Detectors: cheap per-step judgements of training health, each producing `Finding` rows.
 
 The `HealthMonitor` runs them every `detector_every` steps (a *detector step*), except those
-marked `every_step`. Histories are kept per step kind (train and eval losses differ) and
-compare a value with the median of the last `window` checks *before* it, so one outlier does
-not move the baseline. A tensor is reported once per episode: when it turns anomalous, not
-again until a check finds it normal. Defaults:
+marked `every_step`, and those with a `period` > 1, which run on every period-th detector step
+only (the update ratio's snapshot and the activation hooks cost ~10× the rest of a detector
+step; what they watch moves slowly). Histories are kept per step kind (train and eval losses
+differ) and compare a value with the median of the last `window` checks *before* it, so one
+outlier does not move the baseline. A tensor is reported once per episode: when it turns
+anomalous, not again until a check finds it normal. Defaults:
 
-| finding              | value                                     | flagged when      | history |
-|----------------------|-------------------------------------------|-------------------|---------|
-| `exploding_gradient` | ‖∇θ‖ / median of past checks, per param   | ratio ≥ 10        | 20 (5)  |
-| `vanishing_gradient` | same ratio                                | ratio ≤ 0.01      | 20 (5)  |
-| `loss_spike`         | loss / median of past losses, every step  | ratio ≥ 3         | 50 (10) |
-| `saturation`         | share of exact zeros, ReLU-like output    | ≥ 0.95            | -       |
-| `dead_units`         | share of units zero for every batch item  | ≥ 0.5, batch ≥ 8  | -       |
-| `update_ratio`       | ‖Δθ‖ / ‖θ‖ per weight (dim ≥ 2)           | < 1e-6 or > 0.1   | -       |
+| finding              | value                                  | flagged when     | history | run |
+|----------------------|----------------------------------------|------------------|---------|-----|
+| `exploding_gradient` | ‖∇θ‖ / median of its past checks       | ratio ≥ 10       | 20 (5)  | 10  |
+| `vanishing_gradient` | same ratio                             | ratio ≤ 0.01     | 20 (5)  | 10  |
+| `loss_spike`         | loss / median of past losses           | ratio ≥ 3        | 50 (10) | 1   |
+| `saturation`         | share of exact zeros, ReLU-like output | ≥ 0.95           | -       | 50  |
+| `dead_units`         | units zero for every batch item        | ≥ 0.5, batch ≥ 8 | -       | 50  |
+| `update_ratio`       | ‖Δθ‖ / ‖θ‖ per weight (dim ≥ 2)        | < 1e-6 or > 0.1  | -       | 50  |
 
 history: window of past checks (minimum needed before judging); checks are per step kind.
+run: every how many steps, with the default `detector_every=10` (`period` 5 for the last three).
 
 `exploding_gradient` and `loss_spike` are *acute*: a finding makes the recorder record the
 next steps in full (as `nonfinite` does). The loss spike runs every step because the loss
@@ -29,8 +32,8 @@ tensors, fetched in the monitor's one host transfer) and `judge` (host floats ->
 
 from __future__ import annotations
 
+import bisect
 import math
-import statistics
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -69,7 +72,9 @@ class Detector:
 
     name: the detector's name (custom detectors report under it). acute: the finding detector
     names that make the recorder record the next steps in full. every_step: run on every
-    step, not only on detector steps. observes_outputs: receive `observe` calls. shared: its
+    step, not only on detector steps. period: run on every period-th detector step only
+    (counting from the first; set it on an instance to change it, e.g. `d.period = 1`).
+    observes_outputs: receive `observe` calls. shared: its
     findings rest on values the same on every rank of a DDP job (the averaged gradients, the
     parameters), so in a distributed run its acute findings still start `record_next`
     (default False: a custom detector's findings are reported there, not followed).
@@ -78,6 +83,7 @@ class Detector:
     name: ClassVar[str] = "detector"
     acute: ClassVar[frozenset[str]] = frozenset()
     every_step: ClassVar[bool] = False
+    period: int = 1
     observes_outputs: ClassVar[bool] = False
     shared: ClassVar[bool] = False
 
@@ -122,23 +128,38 @@ class Detector:
 
 
 class _History:
-    """The last `window` values per key; the median is over values before the current one."""
+    """The last `window` values per key; the median is over values before the current one.
+
+    Each key keeps its values in arrival order and sorted (`bisect`), so the median is read,
+    not computed: the loss spike judges every step."""
 
     def __init__(self, window: int, min_history: int) -> None:
         if window < 1 or not 1 <= min_history <= window:
             raise ValueError(f"need window >= 1 and 1 <= min_history <= window, got "
                              f"window={window}, min_history={min_history}")
         self.window, self.min_history = window, min_history
-        self._values: dict[Hashable, deque[float]] = {}
+        self._values: dict[Hashable, tuple[deque[float], list[float]]] = {}
 
     def ratio(self, key: Hashable, value: float) -> tuple[float | None, float, int]:
         """(value / median of the history, that median, history length), then remember
         `value`. The ratio is None while the history is shorter than `min_history` or its
-        median is not positive (a ratio to zero or to a negative loss means nothing)."""
-        past = self._values.setdefault(key, deque(maxlen=self.window))
+        median is not positive (a ratio to zero or to a negative loss means nothing). A
+        non-finite value is not remembered (the monitor judges finite steps only)."""
+        entry = self._values.get(key)
+        if entry is None:
+            entry = self._values[key] = (deque(), [])
+        past, ordered = entry
         n = len(past)
-        median = statistics.median(past) if n >= self.min_history else math.nan
+        median = math.nan
+        if n >= self.min_history:
+            half = n // 2
+            median = ordered[half] if n % 2 else (ordered[half - 1] + ordered[half]) / 2
+        if not math.isfinite(value):
+            return (value / median if median > 0 else None), median, n
+        if n == self.window:
+            del ordered[bisect.bisect_left(ordered, past.popleft())]
         past.append(value)
+        bisect.insort(ordered, value)
         return (value / median if median > 0 else None), median, n
 
 
@@ -169,15 +190,16 @@ class GradientNorm(Detector):
             ratio, median, n = self._history.ratio((ctx.kind, name), norm)
             if ratio is None:
                 continue
-            window = f"the median {median:.3g} of its previous {n} checks"
             if self._episode((ctx.kind, name, "explode"), ratio >= self.explode):
                 found.append(Finding(
                     ctx.step, name, "exploding_gradient", ratio, self.explode,
-                    f"gradient norm of {name} is {norm:.3g}, {ratio:.3g}× {window}"))
+                    f"gradient norm of {name} is {norm:.3g}, {ratio:.3g}× the median "
+                    f"{median:.3g} of its previous {n} checks"))
             if self._episode((ctx.kind, name, "vanish"), ratio <= self.vanish):
                 found.append(Finding(
                     ctx.step, name, "vanishing_gradient", ratio, self.vanish,
-                    f"gradient norm of {name} fell to {norm:.3g}, {ratio:.3g}× {window}"))
+                    f"gradient norm of {name} fell to {norm:.3g}, {ratio:.3g}× the median "
+                    f"{median:.3g} of its previous {n} checks"))
         return found
 
 
@@ -222,6 +244,7 @@ class DeadUnits(Detector):
 
     name = "dead_units"
     observes_outputs = True
+    period = 5
 
     def __init__(self, saturation: float = 0.95, dead: float = 0.5, min_batch: int = 8,
                  types: tuple[type[nn.Module], ...] = RELU_LIKE) -> None:
@@ -230,7 +253,8 @@ class DeadUnits(Detector):
             raise ValueError(f"thresholds are fractions in (0, 1], got saturation={saturation},"
                              f" dead={dead}")
         self.saturation, self.dead, self.min_batch, self.types = saturation, dead, min_batch, types
-        # path -> [non-zero count (device), element count, alive-unit mask (device) or None]
+        # path -> [non-zero count (device), element count, per unit 1 if alive else 0 (uint8,
+        # device) or None]
         self._acc: dict[str, list] = {}
         # path -> (element count, unit count or 0) of the values measured last, for judge
         self._sizes: dict[str, tuple[int, int]] = {}
@@ -244,11 +268,12 @@ class DeadUnits(Detector):
     def observe(self, path: str, module: nn.Module, output: Tensor) -> None:
         if not isinstance(module, self.types) or output.dim() == 0 or output.numel() == 0:
             return
-        # Two reductions, no bool copy of the output (each op costs ~10 µs after a step's
-        # kernels): NaN counts as non-zero, as it did for `output == 0`.
-        output = output.detach()
-        nonzero = torch.count_nonzero(output)
-        alive = (output.reshape(output.shape[0], -1).any(0)
+        # Three cheap ops (each costs ~10 µs right after a step's kernels; count_nonzero and
+        # any(0) cost 20-30 µs each on a CPU): a bool copy (NaN is not zero), its sum, and
+        # its per-unit max over the batch as bytes.
+        nonzero_mask = output.detach().bool()
+        nonzero = nonzero_mask.sum()
+        alive = (nonzero_mask.view(torch.uint8).reshape(output.shape[0], -1).amax(0)
                  if output.dim() >= 2 and output.shape[0] >= self.min_batch else None)
         acc = self._acc.get(path)
         if acc is None:
@@ -257,14 +282,15 @@ class DeadUnits(Detector):
         acc[0] = acc[0] + nonzero
         acc[1] += output.numel()
         same = alive is not None and acc[2] is not None and acc[2].shape == alive.shape
-        acc[2] = (acc[2] | alive) if same else None  # calls of different shapes: no unit view
+        # calls of different shapes: no unit view
+        acc[2] = torch.maximum(acc[2], alive) if same else None
 
     def measure(self, ctx: StepContext) -> dict[str, Tensor]:
         values = {}
         self._sizes = {}
         for path, (nonzero, numel, alive) in self._acc.items():
             values[path] = nonzero.reshape(1) if alive is None else torch.stack(
-                [nonzero, alive.sum()])
+                [nonzero, alive.sum()])  # uint8's sum is int64
             self._sizes[path] = (numel, 0 if alive is None else alive.numel())
         self._acc = {}
         return values
@@ -296,41 +322,69 @@ class UpdateRatio(Detector):
 
     low / high: a ratio outside [low, high] is an `update_ratio` finding. min_dim: only
     parameters with at least this many dimensions (weights; zero-initialised biases would give
-    meaningless ratios). Needs θ before the step: snapshot (one copy of those parameters) on
-    detector steps only. A step in which no parameter changed (no optimiser step, e.g.
-    gradient accumulation) is not judged, nor are parameters without a gradient or with θ = 0.
+    meaningless ratios). Needs θ before the step: a snapshot of those parameters on detector
+    steps only, into one copy of them kept between detector steps (allocating a fresh copy
+    each time cost more than the rest of the check; the peak memory is the same). A step in
+    which no parameter changed (no optimiser step, e.g. gradient accumulation) is not judged,
+    nor are parameters without a gradient or with θ = 0.
     """
 
     name = "update_ratio"
+    period = 5
 
     def __init__(self, low: float = 1e-6, high: float = 0.1, min_dim: int = 2) -> None:
         super().__init__()
         if not 0 <= low < high:
             raise ValueError(f"need 0 <= low < high, got low={low}, high={high}")
         self.low, self.high, self.min_dim = low, high, min_dim
-        self._before: dict[str, Tensor] = {}
+        self._copies: dict[str, Tensor] = {}  # name -> θ at the detector step's start
+        self._snapped = False
+        self._measured: list[str] = []  # the names `judge` gets values of, in order
 
     def begin(self, ctx: StepContext) -> None:
-        self._before = {n: p.detach().clone() for n, p in ctx.params.items()
-                        if p.dim() >= self.min_dim}
+        names, params, copies = [], [], []
+        for n, p in ctx.params.items():
+            if p.dim() < self.min_dim:
+                continue
+            copy = self._copies.get(n)
+            if (copy is None or copy.shape != p.shape or copy.dtype != p.dtype
+                    or copy.device != p.device):
+                copy = self._copies[n] = torch.empty_like(p, requires_grad=False)
+            names.append(n)
+            params.append(p.detach())
+            copies.append(copy)
+        if len(self._copies) != len(names):  # parameters gone since: their copies too
+            self._copies = {n: self._copies[n] for n in names}
+        if copies:
+            with torch.no_grad():
+                torch._foreach_copy_(copies, params)
+        self._snapped = True
 
     def measure(self, ctx: StepContext) -> dict[str, Tensor]:
-        names = [n for n in ctx.grads if n in self._before]
-        before = [self._before[n] for n in names]
-        self._before = {}
+        names = [n for n in ctx.grads if n in self._copies] if self._snapped else []
+        self._snapped = False
+        self._measured = []
         if not names:
             return {}
+        before = [self._copies[n] for n in names]
         after = [ctx.params[n].detach() for n in names]
         weight_norms = torch._foreach_norm(before)
-        torch._foreach_sub_(before, after)  # in place: the snapshot is not needed after this
-        delta_norms = torch._foreach_norm(before)
-        return {n: torch.stack([d, w]) for n, d, w in zip(names, delta_norms, weight_norms)}
+        torch._foreach_sub_(before, after)  # in place: refilled at the next detector step
+        norms = [*torch._foreach_norm(before), *weight_norms]
+        device = norms[0].device
+        # one tensor for all: ‖Δθ‖ of each name, then ‖θ‖ of each
+        stacked = torch.stack([t if t.device == device else t.to(device) for t in norms])
+        self._measured = names
+        return {"norms": stacked}
 
     def judge(self, ctx: StepContext, values: dict[str, list[float]]) -> list[Finding]:
-        if not any(d > 0 for d, _ in values.values()):
+        norms = values.get("norms", [])
+        k = len(self._measured)
+        pairs = [(name, norms[i], norms[k + i]) for i, name in enumerate(self._measured)]
+        if not any(d > 0 for _, d, _ in pairs):
             return []  # nothing moved: no optimiser step in this step
         found = []
-        for name, (delta, weight) in values.items():
+        for name, delta, weight in pairs:
             if weight <= 0:
                 continue
             ratio = delta / weight
@@ -344,7 +398,7 @@ class UpdateRatio(Detector):
         return found
 
     def abort(self) -> None:
-        self._before = {}
+        self._snapped = False
 
 
 def default_detectors() -> list[Detector]:

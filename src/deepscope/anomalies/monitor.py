@@ -22,16 +22,21 @@ What it costs, every step (no statistic is synchronised on its own):
   non_blocking copy into pinned memory read one step later (`finish(t + 1)` returns step t's
   findings), so the GPU queue never drains.
 - with grad_every=n (the recorder's default check uses 10), on the steps in between:
-  the loss alone, read on the CPU where it costs no sync, and no torch op at all. When the
+  the loss alone, read on the CPU where it costs no sync, and no torch op at all (a *light*
+  step: no step record, the loss-spike detector judges the value on the host). When the
   loss of step t + 1 is not finite and step t's gradients were not checked, the parameters
   are checked at once (before step t + 1's backward and update): if they are non-finite
   already, step t's update made them so, and step t is reported, naming the non-finite
   gradient it still holds (the usual loop zeroes gradients after the forward), or else the
   parameter, saying the gradient is gone. Otherwise step t + 1 is checked in full.
-Measured on a 784-256-256-10 MLP, batch 128, one CPU thread (a shared 2-core VM, median of
-interleaved steps): about +4% per step with `trace=False, grad_every=10` (the recorder's
-default; `benchmarks/unrecorded_steps.py`), +7% with grad_every=1, +22% with the trace; the hooks
-dominate (a hook or torch call costs ~10-20 µs right after a step's kernels there). The
+Measured on a 784-256-256-10 MLP, batch 128, one CPU thread (a shared, loaded 2-core VM,
+~2 ms per plain step), the monitor's own time per step with `trace=False, grad_every=10` (the
+recorder's default): ~15-40 µs on a light step, ~200-250 µs on a gradient-check step (every
+10th: the gradients' norm, the gradient-norm detector), ~650 µs more on every 50th (the
+update ratio's snapshot and norms, the activation hooks); in all ~+3-7% per step
+(`benchmarks/unrecorded_steps.py`, whose turns include every kind of step). Each torch call or
+Python frame costs ~10× more right after a step's kernels than in a warm loop, so the light
+step is kept to one `item()` and a few frames. +22% with the trace (its hooks dominate). The
 relative cost falls as layers grow, since it is per module, not per FLOP.
 
 Min and max are exact finiteness flags — a NaN or ±Inf anywhere in a tensor shows in them —
@@ -89,7 +94,8 @@ class HealthMonitor:
     record_next: how many following steps the recorder should record in full after an acute
     finding (`nonfinite`, `exploding_gradient`, `loss_spike`). detectors: default
     `default_detectors()`; [] for the health check alone. detector_every: run the detectors on
-    every n-th step (counting `start` calls, from the first), except `every_step` ones.
+    every n-th step (counting `start` calls, from the first), except `every_step` ones, and
+    those of a `period` > 1 on every period-th of those steps (see `detectors`).
     on_anomaly: called with each finding after the step; raise `StopTraining` in it to stop
     (raised from the next `start`), or set a flag your loop reads. trace: keep the per-module
     statistics that locate the first non-finite value (default); False checks only the loss
@@ -128,6 +134,9 @@ class HealthMonitor:
         for d in self.detectors:
             if not isinstance(d, Detector):
                 raise TypeError(f"detectors must be Detector instances, got {type(d).__name__}")
+            if isinstance(d.period, bool) or not isinstance(d.period, int) or d.period < 1:
+                raise ValueError(f"detector {d.name}: period must be an integer >= 1, got "
+                                 f"{d.period!r}")
         self.record_next = record_next
         self.detector_every = detector_every
         self.on_anomaly = on_anomaly
@@ -145,7 +154,16 @@ class HealthMonitor:
         self._slot_sets: list[dict[tuple[torch.device, torch.dtype], Slots]] = [{}, {}]
         self._parity = 0
         self._starts = 0
+        self._detections = 0  # detector steps so far
         self._step: StepRecord | None = None
+        # A light step: one that checks only its loss, on the host, whose every-step detectors
+        # do no device work (the loss spike). It has no StepRecord unless its loss is not
+        # finite or not given (then it becomes a full step): (step, kind), and the loss read.
+        every = [d for d in self.detectors if d.every_step]
+        self._light_due = every if all(map(_host_only, every)) else None
+        self._light: tuple[int, str] | None = None
+        self._light_loss: tuple[float, str] | None = None
+        self._light_ctx = StepContext(0, "", self._params)
         self._pending: _Pending | None = None
         self._held: tuple[list[Finding], int] = ([], 0)  # judged, not yet handed over
         # Hooks may run on several threads at once (autograd's per-device workers,
@@ -185,6 +203,26 @@ class HealthMonitor:
             self._abort(self._step)
             self._unhook_step()
             self._unchecked = None  # it may have updated the parameters: no evidence left
+            self._step = None
+        if self._light is not None:  # the same, for a light step
+            self._light = self._light_loss = None
+            self._unchecked = None
+        detect = self._starts % self.detector_every == 0
+        grads_due = self._starts % self.grad_every == 0
+        self._starts += 1
+        if detect:
+            self._detections += 1
+        # The loss is checked on every step, gradients every grad_every steps and on detector
+        # steps; with the trace, or deferred (the loss cannot be read before the update), on
+        # every step.
+        check = grads_due or detect or bool(self._handles) or self._defer
+        if not check and self._light_due is not None:
+            self._light = (step, kind)  # nothing on the device: see `loss` and `finish`
+            return
+        self._step = self._record(step, kind, detect, check)
+
+    def _record(self, step: int, kind: str, detect: bool, check: bool) -> StepRecord:
+        """The StepRecord of a full step: slots reset, its detectors begun, hooks placed."""
         slots = self._slot_sets[self._parity]
         if self._defer:  # step t's slots must survive until finish(t + 1) reads them
             self._parity ^= 1
@@ -194,22 +232,17 @@ class HealthMonitor:
             self._held = self._merge(self._held, self._judge_pending())
         for s in slots.values():
             s.used = 0
-        detect = self._starts % self.detector_every == 0
-        grads_due = self._starts % self.grad_every == 0
-        self._starts += 1
-        due = [d for d in self.detectors if detect or d.every_step]
+        nth = self._detections - 1  # of this detector step, from 0
+        due = [d for d in self.detectors
+               if d.every_step or (detect and nth % d.period == 0)]
         rec = StepRecord(step, kind, StepContext(step, kind, self._params), slots, due,
                          [d for d in due if d.observes_outputs])
-        # The loss is checked on every step, gradients every grad_every steps and on detector
-        # steps; with the trace, or deferred (the loss cannot be read before the update), on
-        # every step.
-        rec.check_grads = rec.shared_check = (grads_due or detect or bool(self._handles)
-                                              or self._defer)
+        rec.check_grads = rec.shared_check = check
         for d in due:
-            self._guard(rec, d.begin, rec.ctx)
+            self._guard(step, d.begin, rec.ctx)
         if rec.observers:
             self._step_handles = self._hook(self._observed(rec.observers), False)
-        self._step = rec
+        return rec
 
     @property
     def hooks_modules(self) -> bool:
@@ -223,10 +256,23 @@ class HealthMonitor:
             got = f"shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
             raise TypeError(f"monitor.loss(...) needs the scalar loss tensor, got {got}")
         rec = self._step
+        first = rec is None or rec.loss is None
         if rec is None:
-            raise ValueError("monitor.loss(...) called outside a step; call start(step, kind) "
-                             "first")
-        first = rec.loss is None
+            if self._light is None:
+                raise ValueError("monitor.loss(...) called outside a step; call start(step, "
+                                 "kind) first")
+            if loss.is_cpu:  # (a light step is not deferred)
+                value = loss.item()  # on the CPU a read costs no sync: the loss is there now
+                if math.isfinite(value):
+                    self._light_loss = (value, name)
+                    return
+            # not finite, or not on the CPU: this step becomes a full one
+            rec = self._step = self._record(*self._light, detect=False, check=False)
+            self._light = None
+            if self._light_loss is not None:  # an earlier micro-batch's loss, finite
+                rec.loss_host, rec.ctx.loss_name = self._light_loss
+                self._light_loss = None
+                first = False
         rec.loss = loss  # a reference: read in finish(), without a copy or a sync
         rec.ctx.loss_name = name
         if self._defer or loss.device.type != "cpu" or (not first and rec.loss_host is None):
@@ -247,6 +293,12 @@ class HealthMonitor:
         Returns (findings to store, number of following steps to record in full). When
         deferred (CUDA) these are the previous step's; `flush()` returns the last ones."""
         self._check_open("finish")
+        if self._light is not None:
+            (light, kind), self._light = self._light, None
+            if light == step and self._light_loss is not None:
+                return self._finish_light(step, kind)
+            # no loss given: the gradients are the check (a mismatched step is refused below)
+            self._step = self._record(light, kind, detect=False, check=True)
         rec, self._step = self._step, None
         self._unhook_step()
         if rec is None or rec.step != step:
@@ -272,6 +324,28 @@ class HealthMonitor:
         held, self._held = self._held, ([], 0)
         return self._merge(held, self._judge_pending())
 
+    def _finish_light(self, step: int, kind: str) -> tuple[list[Finding], int]:
+        """End a light step: its finite loss judged by the every-step detectors. Kept short:
+        it runs on most steps, right after the step's kernels, where each line costs."""
+        value, name = self._light_loss
+        self._light_loss = None
+        self._unchecked = (step, kind)
+        self._nonfinite = False  # a finite step ends an episode of non-finite ones
+        findings: list[Finding] = []
+        ctx = self._light_ctx  # one context for all light steps (a new one costs ~5 µs)
+        ctx.step, ctx.kind, ctx.loss, ctx.loss_name = step, kind, value, name
+        for d in self._light_due:
+            try:  # (not through _guard: one frame less on most steps)
+                found = d.judge(ctx, {})
+            except Exception as exc:
+                self._failed(step, d.judge, exc)
+                continue
+            if found:
+                findings += found
+        if not findings and not self._held[0] and not self._held[1]:
+            return findings, 0  # (nothing pending: a light step is never deferred)
+        return self._merge(self.flush(), self._conclude(findings, False, []))
+
     def _judge_pending(self) -> tuple[list[Finding], int]:
         if self._pending is None:
             return [], 0
@@ -290,7 +364,7 @@ class HealthMonitor:
             return
         self.flush()
         self._closed = True
-        self._step = None
+        self._step = self._light = self._light_loss = None
         self._unhook_step()
         for h in self._handles:
             h.remove()
@@ -471,7 +545,7 @@ class HealthMonitor:
         pieces += [s.data for s, _, _ in segments]
         measured = []
         for d in rec.due:
-            values = self._guard(rec, d.measure, rec.ctx) or {}
+            values = self._guard(rec.step, d.measure, rec.ctx) or {}
             layout = []
             for key, v in values.items():
                 pieces.append(v.detach().reshape(-1))
@@ -526,22 +600,27 @@ class HealthMonitor:
                     for key, n in layout:
                         mine[key] = values[at:at + n]
                         at += n
-                    findings += self._guard(rec, d.judge, rec.ctx, mine) or []
+                    findings += self._guard(rec.step, d.judge, rec.ctx, mine) or []
         except Exception as exc:
             self._broken(rec, exc)
             return [], 0
+        return self._conclude(findings, rec.shared_check, norms)
+
+    def _conclude(self, findings: list[Finding], shared_check: bool, norms: list[float]
+                  ) -> tuple[list[Finding], int]:
+        """The user's callback for each finding, and (findings, steps to record in full)."""
         self._notify(findings)
         if self.distributed:
-            return findings, self._shared_record_next(rec, norms, findings)
+            return findings, self._shared_record_next(shared_check, norms, findings)
         acute = any(f.detector in self._acute for f in findings)
         return findings, self.record_next if acute else 0
 
-    def _shared_record_next(self, rec: StepRecord, norms: list[float],
+    def _shared_record_next(self, shared_check: bool, norms: list[float],
                             findings: list[Finding]) -> int:
         """`record_next` from the evidence every rank has alike (see `distributed`): the
         first non-finite synced gradient of an episode, or a shared detector's finding."""
         acute = any(f.detector in self._shared_acute for f in findings)
-        if rec.shared_check:
+        if shared_check:
             bad = not all(math.isfinite(n) for n in norms)
             acute = acute or (bad and not self._shared_nonfinite)
             self._shared_nonfinite = bad
@@ -605,14 +684,18 @@ class HealthMonitor:
                                 "training continues (raise StopTraining to stop)")
 
     # --- failures inside the monitor never stop training ---------------------------------------
-    def _guard(self, rec: StepRecord, fn: Callable, *args: Any) -> Any:
+    def _guard(self, step: int, fn: Callable, *args: Any) -> Any:
         try:
             return fn(*args)
         except Exception as exc:
-            self._warn_once(f"detector {type(getattr(fn, '__self__', fn)).__name__} failed "
-                            f"({type(exc).__name__}: {exc}) first at step {rec.step}; it is "
-                            "skipped wherever it fails", key=f"{fn}{type(exc)}{exc}")
+            self._failed(step, fn, exc)
             return None
+
+    def _failed(self, step: int, fn: Callable, exc: Exception) -> None:
+        """Say once that a detector's `fn` raised `exc` (first at `step`)."""
+        self._warn_once(f"detector {type(getattr(fn, '__self__', fn)).__name__} failed "
+                        f"({type(exc).__name__}: {exc}) first at step {step}; it is "
+                        "skipped wherever it fails", key=f"{fn}{type(exc)}{exc}")
 
     def _broken(self, rec: StepRecord, exc: Exception) -> None:
         rec.broken = True
@@ -622,7 +705,7 @@ class HealthMonitor:
 
     def _abort(self, rec: StepRecord) -> None:
         for d in rec.due:
-            self._guard(rec, d.abort)
+            self._guard(rec.step, d.abort)
 
     def _warn_once(self, message: str, key: str | None = None) -> None:
         """Log `message` the first time `key` (default: the message) comes up."""
@@ -664,6 +747,14 @@ def _cannot_create_nonfinite(module: nn.Module) -> bool:
     if isinstance(module, nn.LeakyReLU):
         return abs(module.negative_slope) <= 1
     return type(module) in _SAFE  # exact types: a subclass may compute anything
+
+
+def _host_only(d: Detector) -> bool:
+    """Whether `d` does no device work (nothing of its own but `judge`): it can judge a light
+    step from the loss alone."""
+    kind = type(d)
+    return (not d.observes_outputs and kind.begin is Detector.begin
+            and kind.measure is Detector.measure and kind.abort is Detector.abort)
 
 
 def _tensors(obj: Any) -> list[Tensor]:

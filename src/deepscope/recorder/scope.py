@@ -77,7 +77,9 @@ class Scope:
         distributed run, every step: see docs/distributed.md),
         the first non-finite gradient named — also when it was on an unchecked step whose
         update made the next loss non-finite (`scope.monitor.grad_every = 1` checks every
-        step) — plus the gradient / loss / activation detectors every 10 steps; "trace":
+        step) — plus the detectors: the loss spike on every step, the gradient norms every
+        10 steps, the activations and update ratios every 50 (see
+        `deepscope.anomalies.detectors`); "trace":
         also hooks every module to name the *first* tensor, forward or backward, where a
         non-finite value appears (costs more: ~20% on a small MLP); False/None: off. After
         a non-finite step the next `record_next` steps are recorded in full.
@@ -159,6 +161,7 @@ class Scope:
         self._graph_cache: dict = {}
         self.buffers = BufferPool()
         self._current: StepRecorder | None = None
+        self._context: tuple[tuple, StepContext] | None = None  # see _step_context
         self._last_step: int | None = None
         self._reported: set[str] = set()
         self._agree_keep = False  # this step's dynamic decision is agreed across ranks
@@ -404,13 +407,19 @@ class Scope:
         self._end(self._current, discard)
 
     def _step_context(self) -> StepContext:
-        return StepContext(
-            scope=self, begin=self._enter, end=self._end, guard=self._guard,
-            warn_once=self._warn_once, params=self._params, param_nodes=self._param_nodes,
-            graph_cache=self._graph_cache, buffers=self.buffers, monitor=self.monitor,
-            instruments=self.instruments, keep_if=self.keep_if, max_samples=self.max_samples,
-            max_neurons=self.max_neurons, singular_values=self.singular_values,
-            exact_views=self.exact_views)
+        """The context of the next step: the last one while none of the settings in it
+        changed (building one costs ~10 µs after a step's kernels, on every step)."""
+        key = (self.monitor, self.instruments, self.keep_if, self.max_samples,
+               self.max_neurons, self.singular_values, self.exact_views)
+        if self._context is None or self._context[0] != key:
+            self._context = (key, StepContext(
+                scope=self, begin=self._enter, end=self._end, guard=self._guard,
+                warn_once=self._warn_once, params=self._params, param_nodes=self._param_nodes,
+                graph_cache=self._graph_cache, buffers=self.buffers, monitor=self.monitor,
+                instruments=self.instruments, keep_if=self.keep_if,
+                max_samples=self.max_samples, max_neurons=self.max_neurons,
+                singular_values=self.singular_values, exact_views=self.exact_views))
+        return self._context[1]
 
     def _enter(self, rec: StepRecorder) -> None:
         self._current = rec
@@ -525,6 +534,8 @@ class Scope:
             return []
         findings, record_next = result
         self._force_record = max(self._force_record, record_next)
+        if not findings:  # most steps
+            return findings
         if self._world > 1:  # each rank's file: the message says which rank found it
             findings = [replace(f, message=f"rank {self.rank}: {f.message}") for f in findings]
         self.writer.submit_anomalies([(f.step, f.tensor, f.detector, f.value, f.threshold,
