@@ -61,9 +61,7 @@ def test_warm_started_early_stopped_lanczos_matches_the_dense_top_eigenvalue(
         assert meta["converged"] and "note" not in meta, meta
         assert meta["warm_start"] == (start is not None)
         assert meta["samples"] < num_iter  # stopped early
-        # the residual is a rigorous bound: some eigenvalue lies within it of the value
-        assert float((eig.eigenvalues - value).abs().min()) <= meta["residual"] + 1e-12
-        assert value <= top + 1e-12  # a Ritz value never exceeds the top eigenvalue
+        assert meta["residual"] <= tol ** 0.5 * abs(value)
         assert value == pytest.approx(top, rel=rtol)
         assert cold == pytest.approx(top, rel=rtol)
         # the Ritz vector is a unit vector near the top eigenvector
@@ -78,40 +76,6 @@ def test_warm_started_early_stopped_lanczos_matches_the_dense_top_eigenvalue(
         opt.zero_grad()
     # a good start saves iterations (HVPs)
     assert sum(warm_iterations) < sum(cold_iterations), (warm_iterations, cold_iterations)
-
-
-class _Dense:
-    """A symmetric matrix as the operator Lanczos takes."""
-
-    def __init__(self, matrix: torch.Tensor) -> None:
-        self.matrix, self.dim = matrix, matrix.shape[0]
-        self.dtype, self.device = matrix.dtype, matrix.device
-
-    def matvec(self, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.mv(self.matrix, v) if out is None else torch.mv(self.matrix, v, out=out)
-
-
-def test_lanczos_stops_once_the_value_moves_by_at_most_cockpits_rtol() -> None:
-    """Stopped at the first iteration whose top Ritz value moved by <= 1e-3 relatively (not
-    later, whatever the residual), and what the value then guarantees: a dense spectrum,
-    where that test passes about 1 % below the top eigenvalue."""
-    assert MAX_EV_TOL == 1e-3
-    eigenvalues = torch.linspace(0, 1, 300, dtype=F64)
-    basis, _ = torch.linalg.qr(torch.randn(300, 300, dtype=F64,
-                                           generator=torch.Generator().manual_seed(0)))
-    op = _Dense(basis @ torch.diag(eigenvalues) @ basis.T)
-    # the Ritz values of the first n iterations (the iterations do not depend on num_iter)
-    ritz = [top_eigenvalue(op, n, seed=3, tol=0.0)[0] for n in range(1, 31)]
-    first = next(n for n in range(2, 31)
-                 if abs(ritz[n - 1] - ritz[n - 2]) <= 1e-3 * abs(ritz[n - 1]))
-    value, meta, _ = top_eigenvalue(op, 30, seed=3)
-    assert meta["converged"] and "note" not in meta
-    assert meta["samples"] == first < 30 and value == ritz[first - 1]
-    assert meta["residual"] > 1e-2 * value  # stopped where the old residual test did not
-    # the guarantees: a lower bound of the top eigenvalue, and some eigenvalue within the
-    # residual of it; not within the rtol of the top (here 0.3-1 % low)
-    assert 1 - 1e-2 < value < 1 - 1e-3
-    assert float((eigenvalues - value).abs().min()) <= meta["residual"]
 
 
 def test_lanczos_not_converged_within_num_iter_says_so() -> None:
@@ -145,6 +109,17 @@ def test_batched_hutchinson_equals_the_looped_one(samples: int) -> None:
         two = hutchinson_diagonal(looped, samples=samples, seed=4)
         assert batched.batched is True  # the vmapped backward ran and was verified
     torch.testing.assert_close(one.value, two.value, rtol=1e-12, atol=1e-15)
+
+
+class _Dense:
+    """A symmetric matrix as the operator Lanczos takes."""
+
+    def __init__(self, matrix: torch.Tensor) -> None:
+        self.matrix, self.dim = matrix, matrix.shape[0]
+        self.dtype, self.device = matrix.dtype, matrix.device
+
+    def matvec(self, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.mv(self.matrix, v) if out is None else torch.mv(self.matrix, v, out=out)
 
 
 def test_lanczos_runs_sharing_the_reused_buffers_do_not_disturb_each_other() -> None:

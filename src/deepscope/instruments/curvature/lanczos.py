@@ -83,11 +83,10 @@ def lanczos_iterations(op: LinearOperator, num_iter: int, generator: torch.Gener
             keeps a random vector's share of every eigendirection and never lies in a
             deficient subspace, whatever `start` is.
         tol: stop early once the top Ritz value θ changed by at most tol · |θ| over the
-            last iteration (Cockpit's rtol test). It does not bound θ's error: on a plateau
-            of θ in a dense spectrum it passes below the top eigenvalue. What always holds:
-            θ never exceeds the largest eigenvalue, and some eigenvalue of H lies within the
-            top Ritz pair's residual ‖H y − θ y‖ = β_j |s_j| (read off the tridiagonal T,
-            returned, not tested) of θ. 0: run all min(num_iter, D) steps.
+            last iteration and the top Ritz pair's residual ‖H y − θ y‖ = β_j |s_j| (read
+            off the tridiagonal T) is at most √tol · |θ| (which keeps a plateau of θ in a
+            dense spectrum from passing for convergence: some eigenvalue of H lies within
+            the residual of θ). 0: run all min(num_iter, D) steps.
     """
     steps = min(check_int("num_iter", num_iter, 1), op.dim)
     basis = _buffer((steps, op.dim), op, "lanczos-basis")
@@ -120,7 +119,7 @@ def lanczos_iterations(op: LinearOperator, num_iter: int, generator: torch.Gener
         previous = ritz[-1]
         ritz, vectors = _ritz(alphas, betas)
         residual = beta * abs(float(vectors[-1, -1]))
-        converged = _converged(ritz[-1], previous, tol)
+        converged = _converged(ritz[-1], previous, residual, tol)
         if j == steps - 1 or converged:
             break
         scale = max(scale, abs(alphas[-1]) + beta)
@@ -149,9 +148,10 @@ def _buffer(shape: tuple[int, ...], op: LinearOperator, slot: str) -> Tensor:
     return torch.empty(shape, dtype=op.dtype, device=op.device)
 
 
-def _converged(top: float, previous: float, tol: float) -> bool:
+def _converged(top: float, previous: float, residual: float, tol: float) -> bool:
     """`lanczos_iterations`' stopping test (see its `tol`): read only from T's values."""
-    return tol > 0 and abs(top - previous) <= tol * abs(top)
+    scale = abs(top)
+    return tol > 0 and abs(top - previous) <= tol * scale and residual <= math.sqrt(tol) * scale
 
 
 def _ritz(alphas: list[float], betas: list[float]) -> tuple[list[float], Tensor]:

@@ -7,6 +7,7 @@ ratios of second moments to curvature).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +33,7 @@ AUTO_STEP_FACTOR = 10
 AUTO_FLOOR_S = 0.1
 FORWARD_SHARE = 3  # a training step (forward, backward at ~2 forwards) ≈ 3 forwards
 TIC_EPS = 1e-7
-MAX_EV_TOL = 1e-3  # HessMaxEV's Lanczos stops once its value moves by <= 1e-3 relatively
+MAX_EV_TOL = 1e-4  # HessMaxEV's Lanczos stops once its value moves by <= 1e-4 relatively
 TIC_CHUNK = 1 << 20  # elements per pass of tic_diag: its two float64 buffers stay at 16 MiB
 
 
@@ -148,16 +149,15 @@ def top_eigenvalue(op: HessianOperator | LinearOperator, num_iter: int, seed: in
         seed: the random start's seed (mixed with `start`, see `lanczos_iterations`).
         start: the previous step's top Ritz vector (D,), or None.
         tol: Lanczos stops once the value changed by at most tol relatively over the
-            last iteration (Cockpit's rtol; see `lanczos_iterations`: a test of progress,
-            not a bound on the error); 0: never early (converged only on a full basis).
+            last iteration, with a residual of at most √tol · |value| (see
+            `lanczos_iterations`); 0: never early (converged only on a full basis).
 
     Returns:
         (value, meta, vector): meta {"max_magnitude", "min_algebraic", "estimator",
         "samples" (HVPs spent = iterations), "converged", "warm_start", "residual"
-        (‖H y − θ y‖: some eigenvalue of H, not necessarily the largest, lies within it
-        of the value)}, plus "note" when Lanczos did not converge within num_iter. The
-        value is a Ritz value: never above the largest eigenvalue, converged or not
-        (unconverged, maybe a loose lower bound). min_algebraic and max_magnitude are Ritz
+        (‖H y − θ y‖: an eigenvalue of H lies within it of the value)}, plus "note" when
+        Lanczos did not converge within num_iter (the value is then a lower bound of the
+        largest eigenvalue, maybe a loose one). min_algebraic and max_magnitude are Ritz
         values of the same iterations, not converged by this test.
     """
     run = lanczos_iterations(op, num_iter, seeded_generator(op, seed), start, tol)
@@ -173,9 +173,9 @@ def top_eigenvalue(op: HessianOperator | LinearOperator, num_iter: int, seed: in
     }
     if tol > 0 and not run.converged and run.vector is not None:
         meta["note"] = (f"Lanczos did not converge within lanczos_iter={num_iter} iterations "
-                        f"(relative change over the last one > {tol:g}; residual "
-                        f"{run.residual:.3g}): the value is a lower bound of the largest "
-                        "eigenvalue; raise lanczos_iter")
+                        f"(relative change over the last one > {tol:g}, or residual "
+                        f"{run.residual:.3g} > {math.sqrt(tol):.3g} × |value|): the value is a "
+                        "lower bound of the largest eigenvalue; raise lanczos_iter")
     return float(top.value), meta, run.vector
 
 
