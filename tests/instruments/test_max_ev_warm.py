@@ -109,3 +109,31 @@ def test_batched_hutchinson_equals_the_looped_one(samples: int) -> None:
         two = hutchinson_diagonal(looped, samples=samples, seed=4)
         assert batched.batched is True  # the vmapped backward ran and was verified
     torch.testing.assert_close(one.value, two.value, rtol=1e-12, atol=1e-15)
+
+
+class _Dense:
+    """A symmetric matrix as the operator Lanczos takes."""
+
+    def __init__(self, matrix: torch.Tensor) -> None:
+        self.matrix, self.dim = matrix, matrix.shape[0]
+        self.dtype, self.device = matrix.dtype, matrix.device
+
+    def matvec(self, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.mv(self.matrix, v) if out is None else torch.mv(self.matrix, v, out=out)
+
+
+def test_lanczos_runs_sharing_the_reused_buffers_do_not_disturb_each_other() -> None:
+    """Lanczos keeps its vectors in a buffer reused between calls: a returned Ritz vector is
+    the caller's own, and a run after runs of other sizes gives the same result bitwise."""
+    model, x, y = _model()
+    top = float(torch.linalg.eigvalsh(_dense(model, x, y))[-1])
+    small = _Dense(torch.diag(torch.arange(1.0, 6.0, dtype=F64)))
+    with HessianOperator(_loss(model, x, y), list(model.parameters())) as op:
+        first, first_meta, vector = top_eigenvalue(op, 40, seed=2, tol=0.0)
+        kept = vector.clone()
+        top_eigenvalue(small, 5, seed=0)  # a smaller basis in the same buffer
+        top_eigenvalue(op, 60, seed=5, start=vector)  # a bigger one, started from it
+        again, again_meta, vector_again = top_eigenvalue(op, 40, seed=2, tol=0.0)
+    assert torch.equal(vector, kept)
+    assert again == first and again_meta == first_meta and torch.equal(vector_again, kept)
+    assert first == pytest.approx(top, rel=1e-10)
