@@ -224,9 +224,11 @@ class ModuleGrads:
             sq: dict[str, list[Tensor]] = {name: [] for name in self.shapes}
             total: dict[str, Tensor] = {}
             squares: dict[str, Tensor] = {}
-            kept: dict[str, list[Tensor]] = {name: [] for name in self.shapes}
+            # filled chunk by chunk: a list of chunks joined at the end would hold them twice
+            kept: dict[str, Tensor] = {}
             stacked = _stacked_vectors(vector_sets)
             dots: dict[str, list[Tensor]] = {name: [] for name in stacked}
+            lo = 0
             for chunk in self.chunks():
                 for name, g in chunk.items():
                     if name in stacked:
@@ -235,11 +237,18 @@ class ModuleGrads:
                     sq[name].append(g2.flatten(1).sum(1))
                     total[name] = total[name] + g.sum(0) if name in total else g.sum(0)
                     sq_g = g2.sum(0)
+                    del g2  # one chunk-sized temporary at a time
                     squares[name] = squares[name] + sq_g if name in squares else sq_g
-                    if keep:
-                        kept[name].append(g)
+                    if keep and len(g) == self.ctx.batch_size:  # one chunk: kept as it is
+                        kept[name] = g
+                    elif keep:
+                        if name not in kept:
+                            kept[name] = g.new_empty(self.ctx.batch_size, *g.shape[1:])
+                        kept[name][lo:lo + len(g)] = g
+                lo += len(g)
+                chunk = g = None  # not held while the next chunk is made
             if keep:
-                self._kept = {name: torch.cat(parts) for name, parts in kept.items()}
+                self._kept = kept
             self._fused = ({n: torch.cat(v) for n, v in sq.items()}, total, squares)
             self._swept_dots = {name: torch.cat(p) for name, p in dots.items()}
         return self._fused
@@ -286,11 +295,16 @@ class ModuleGrads:
         """name -> (B, *param.shape): every gᵢ of this module at once."""
         if self._kept is not None:
             return self._kept
-        parts: dict[str, list[Tensor]] = {name: [] for name in self.shapes}
-        for chunk in self.chunks():
+        out: dict[str, Tensor] = {}
+        lo = 0
+        for chunk in self.chunks():  # filled in place: joining a list would hold it twice
             for name, g in chunk.items():
-                parts[name].append(g)
-        return {name: torch.cat(p) for name, p in parts.items()}
+                if name not in out:
+                    out[name] = g.new_empty(self.ctx.batch_size, *g.shape[1:])
+                out[name][lo:lo + len(g)] = g
+            lo += len(g)
+            chunk = g = None
+        return out
 
 
 def _stacked_vectors(vector_sets: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
@@ -456,7 +470,14 @@ class Rule:
 
     def _grad(self, call: Call, ctx: Context, dtype: torch.dtype) -> Tensor:
         """The scaled gradient w.r.t. the call's single output, in `dtype`."""
+        return self._output_grad(call, dtype) * ctx.scale
+
+    def _output_grad(self, call: Call, dtype: torch.dtype) -> Tensor:
+        """The gradient w.r.t. the call's single output as captured (not scaled), in
+        `dtype`: rules that keep it for the step scale slices of it when they use them
+        (`Context.scale`), so that no scaled copy of every layer's output gradient is
+        held for the step."""
         g = call.grads[0]
         if g is None or len(call.grads) != 1 or call.out_index != [0]:
             raise Unsupported("its output is not a single tensor")
-        return g.to(dtype) * ctx.scale
+        return g.to(dtype)

@@ -288,12 +288,13 @@ class LinearRule(Rule):
             if x.dim() < 2:
                 raise Unsupported("its input is 1-D; give it a batch dimension at dim 0")
             xs.append(x.to(dtype).reshape(x.shape[0], -1, n_in))
-            gs.append(self._grad(call, ctx, dtype).reshape(x.shape[0], -1, n_out))
+            gs.append(self._output_grad(call, dtype).reshape(x.shape[0], -1, n_out))
         # (B, 1 group, T, features); concatenating calls along T sums their contributions
         x_all = (xs[0] if len(xs) == 1 else torch.cat(xs, 1)).unsqueeze(1)
         g_all = (gs[0] if len(gs) == 1 else torch.cat(gs, 1)).unsqueeze(1)
+        scale = ctx.scale
         return OuterProductGrads(
-            lambda lo, hi: (x_all[lo:hi], g_all[lo:hi]),
+            lambda lo, hi: (x_all[lo:hi], g_all[lo:hi] * scale),
             (1, x_all.shape[2], n_in, n_out),
             weight_and_bias(self.params),
             {n: p.shape for n, p in self.params.items()},
