@@ -1,4 +1,5 @@
-"""Peak memory of the engine's statistics above what the step captured (#19).
+"""Peak memory of the engine's statistics above what the step captured, and per-sample
+gradients materialised once (#19).
 
 Allocations are counted exactly by the torch profiler on the CPU, so the bounds are
 deterministic. Each test also checks the statistics against the per-sample loop, in
@@ -15,8 +16,11 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from deepscope.instruments.engine import PerSampleEngine
+from deepscope.instruments.rules.linear import OuterProductGrads
+from deepscope.instruments.suite import Instruments
 
-from .reference import batch_reference
+from .reference import batch_reference, histogram_1d
+from .test_suite import assert_counts_match
 
 
 def peak_bytes(fn: Callable[[], object]) -> int:
@@ -80,3 +84,32 @@ def test_kept_per_sample_gradients_are_not_held_twice() -> None:
     # kept + a few chunk-sized temporaries (each kept / 4); joined from a list: 2 × kept + ...
     assert peak < 1.9 * kept, (peak, kept)
     _check_against_loop(engine, model, x)
+
+
+def test_histogram_is_counted_in_the_statistics_sweep_not_materialised_again(
+        monkeypatch) -> None:
+    # sequence layers: each layer's gᵢ are materialised by the second moments' sweep; the
+    # histogram pass (computed first) materialised them once more
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).double()
+    x = torch.randn(6, 3, 8, dtype=torch.float64)
+    sweeps = []
+    per_sample = OuterProductGrads.per_sample
+
+    def counted(self: OuterProductGrads, lo: int, hi: int) -> dict[str, torch.Tensor]:
+        sweeps.append((lo, hi))
+        return per_sample(self, lo, hi)
+
+    monkeypatch.setattr(OuterProductGrads, "per_sample", counted)
+    inst = Instruments(model, ["MeanGSNR", "GradHist1d"], hist_range=(-0.5, 0.5))
+    inst.start(0, "train")
+    losses = model(x).square().flatten(1).mean(1)
+    inst.loss(losses.mean(), per_sample=losses)
+    losses.mean().backward()
+    values = {(v.name, v.layer): v for v in inst.finish()}
+    assert sweeps == [(0, 6), (0, 6)]  # each layer's gᵢ once
+    ref = batch_reference(model, lambda m: m(x).square().flatten(1).mean(1))
+    for layer, G in ref.layers().items():
+        counts, _ = histogram_1d(G, 100, -0.5, 0.5)
+        assert_counts_match(values[("GradHist1d", layer)].array, counts, G,
+                            np.linspace(-0.5, 0.5, 101))
