@@ -21,7 +21,7 @@ from torch import Tensor, nn
 # Most elements of per-sample gradients materialised at once: chunks of up to `chunk_size`
 # samples are cut smaller for large layers, so that the allocator reuses one chunk's memory
 # for the next (on the CPU a fresh mapping per chunk page-faults on every first touch)
-CHUNK_ELEMENTS = 1 << 21
+CHUNK_ELEMENTS = 1 << 20
 
 
 def samples_per_chunk(chunk_size: int, elements: int) -> int:

@@ -23,6 +23,7 @@ from .base import (
     Rule,
     Unsupported,
     first_input,
+    samples_per_chunk,
     split_dots,
 )
 
@@ -40,8 +41,8 @@ class OuterProductGrads(ModuleGrads):
     (groups·O, I)-shaped up to a reshape to `shapes[weight]` (`transposed`: (I, O), one
     group, as Hugging Face's Conv1D stores it); the bias (groups·O,).
     `step`: samples per call of `patches` in the passes that need no per-sample gradients
-    (the whole batch when the patches are views of stored tensors: chunking would only
-    add per-call overhead). `products`: the patches times weights without forming the
+    (the whole batch when the patches are small or views of stored tensors: chunking would
+    only add per-call overhead). `products`: the patches times weights without forming the
     patches (a conv's own kernel), for the passes that need only those; default: from the
     patches. `weight_grads(lo, hi, per_sample)`: the weight's per-sample gradients
     (hi - lo, *shape), or their sum, by a faster route than the patches (a conv's
@@ -300,7 +301,9 @@ class LinearRule(Rule):
             {n: p.shape for n, p in self.params.items()},
             dtype,
             ctx,
-            step=x_all.shape[0],
+            # each G slice is a scaled copy, and the sums' check holds a few at once: slices
+            # of at most a quarter of a materialised chunk (most layers: the whole batch)
+            step=samples_per_chunk(x_all.shape[0], 4 * x_all.shape[2] * n_out),
             transposed=self.transposed,
         )
 
