@@ -60,10 +60,11 @@ def _check_against_loop(engine: PerSampleEngine, model: nn.Module, x: torch.Tens
 
 
 def test_no_scaled_copy_of_every_layers_output_gradient_is_held() -> None:
-    # layers over 256 positions: output gradients far larger than per-sample gradients
+    # layers over 4096 positions: output gradients far larger than per-sample gradients,
+    # and larger than what is scaled once and held (a quarter of a materialised chunk)
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)]).double()
-    x = torch.randn(8, 256, 16, dtype=torch.float64)
+    x = torch.randn(8, 4096, 16, dtype=torch.float64)
     engine = _captured(model, x, chunk_size=32)
     output_grads = 4 * x.numel() * 8  # bytes of the 4 captured output gradients
     peak = peak_bytes(lambda: (engine.sq_norms(), engine.grad_mean(),

@@ -434,8 +434,9 @@ class Instruments:
             with torch.no_grad():
                 if not due & needing("snapshot") <= {"Alpha", "UpdateSize"}:  # θₜ read later
                     update = [p - t for p, t in zip(self._own_params(), state.theta)]
-                else:  # only dₜ = θₜ₊₁ − θₜ is read: made in θₜ's place (−θₜ + θₜ₊₁)
-                    update = [t.neg_().add_(p) for p, t in zip(self._own_params(), state.theta)]
+                else:  # only dₜ = θₜ₊₁ − θₜ is read: made in θₜ's place
+                    update = [torch.sub(p, t, out=t)
+                              for p, t in zip(self._own_params(), state.theta)]
                     state.theta = None
 
         batch: Batch | None = None

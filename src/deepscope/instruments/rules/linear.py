@@ -293,17 +293,21 @@ class LinearRule(Rule):
         # (B, 1 group, T, features); concatenating calls along T sums their contributions
         x_all = (xs[0] if len(xs) == 1 else torch.cat(xs, 1)).unsqueeze(1)
         g_all = (gs[0] if len(gs) == 1 else torch.cat(gs, 1)).unsqueeze(1)
-        scale = ctx.scale
+        scale, batch = ctx.scale, x_all.shape[0]
+        # G scaled slice by slice, of at most a quarter of a materialised chunk (the sums'
+        # check holds a few at once); a G that small is scaled once, for every pass
+        step = samples_per_chunk(batch, 4 * x_all.shape[2] * n_out)
+        if step == batch:
+            g_all = g_all * scale
         return OuterProductGrads(
-            lambda lo, hi: (x_all[lo:hi], g_all[lo:hi] * scale),
+            (lambda lo, hi: (x_all[lo:hi], g_all[lo:hi])) if step == batch
+            else (lambda lo, hi: (x_all[lo:hi], g_all[lo:hi] * scale)),
             (1, x_all.shape[2], n_in, n_out),
             weight_and_bias(self.params),
             {n: p.shape for n, p in self.params.items()},
             dtype,
             ctx,
-            # each G slice is a scaled copy, and the sums' check holds a few at once: slices
-            # of at most a quarter of a materialised chunk (most layers: the whole batch)
-            step=samples_per_chunk(x_all.shape[0], 4 * x_all.shape[2] * n_out),
+            step=step,
             transposed=self.transposed,
         )
 
