@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .base import (
+    CHUNK_ELEMENTS,
     Call,
     Context,
     ModuleGrads,
@@ -293,21 +294,21 @@ class LinearRule(Rule):
         # (B, 1 group, T, features); concatenating calls along T sums their contributions
         x_all = (xs[0] if len(xs) == 1 else torch.cat(xs, 1)).unsqueeze(1)
         g_all = (gs[0] if len(gs) == 1 else torch.cat(gs, 1)).unsqueeze(1)
-        scale, batch = ctx.scale, x_all.shape[0]
+        scale = ctx.scale
         # G scaled slice by slice, of at most a quarter of a materialised chunk (the sums'
-        # check holds a few at once); a G that small is scaled once, for every pass
-        step = samples_per_chunk(batch, 4 * x_all.shape[2] * n_out)
-        if step == batch:
+        # check holds a few at once); a small G (an MLP's) is scaled once, for every pass
+        once = g_all.numel() <= CHUNK_ELEMENTS // 16
+        if once:
             g_all = g_all * scale
         return OuterProductGrads(
-            (lambda lo, hi: (x_all[lo:hi], g_all[lo:hi])) if step == batch
+            (lambda lo, hi: (x_all[lo:hi], g_all[lo:hi])) if once
             else (lambda lo, hi: (x_all[lo:hi], g_all[lo:hi] * scale)),
             (1, x_all.shape[2], n_in, n_out),
             weight_and_bias(self.params),
             {n: p.shape for n, p in self.params.items()},
             dtype,
             ctx,
-            step=step,
+            step=samples_per_chunk(x_all.shape[0], 4 * x_all.shape[2] * n_out),
             transposed=self.transposed,
         )
 
