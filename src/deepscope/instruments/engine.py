@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -128,6 +128,24 @@ class _Micro:
     observed: dict[str, tuple[Tensor, int]] = field(default_factory=dict)
 
 
+@dataclass
+class _Counting:
+    """`Counting` of one hooked module's parameters (those it alone uses) for an engine."""
+
+    engine: PerSampleEngine
+    index: int
+
+    def fresh(self) -> dict[str, Any]:
+        engine = self.engine
+        names = engine._hooked[self.index].names
+        return {local: engine._new_counter() for local, name in names.items()
+                if engine._new_counter is not None and len(engine._owners[name]) == 1}
+
+    def done(self, counters: dict[str, Any]) -> None:
+        names = self.engine._hooked[self.index].names
+        self.engine.swept.update({names[local]: c for local, c in counters.items()})
+
+
 class PerSampleEngine:
     """Per-sample gradient statistics gᵢ⁽ᵏ⁾ = ∇θ⁽ᵏ⁾ ℓᵢ for every trainable parameter.
 
@@ -182,6 +200,7 @@ class PerSampleEngine:
         self._observed: dict[str, tuple[Tensor, int]] = {}
         self._micros: list[_Micro] = []
         self.unavailable_sum: dict[str, str] = {}
+        self._new_counter: Callable[[], Any] | None = None
         self._reset_step_state()
 
     # -- setup ------------------------------------------------------------------------
@@ -225,6 +244,8 @@ class PerSampleEngine:
         self._shared_forward: set[int] = set()  # losses whose backward met another's calls
         self._cache: dict[str, dict[str, Tensor]] = {}
         self._shared: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
+        # parameter name -> its counter, complete, from a statistics sweep (count_in_sweeps)
+        self.swept: dict[str, Any] = {}
 
     # -- hooks ------------------------------------------------------------------------
     def start(self) -> None:
@@ -252,7 +273,18 @@ class PerSampleEngine:
         self._micros = []
         self.unavailable = {}
         self.unavailable_sum = {}
+        self._new_counter = None
         self._reset_step_state()
+
+    def count_in_sweeps(self, new_counter: Callable[[], Any]) -> None:
+        """Count per-sample gradients while statistics materialise them anyway: each
+        parameter of one module, in a step of one registered loss, gets a `new_counter()`
+        (with `.add(part)`, e.g. a histogram) fed by its module's materialising sweep;
+        once the sweep went through the batch it is in `swept`, and `per_sample_parts(skip=
+        swept)` need not materialise those again. Call before the step's first statistic;
+        `clear` turns it off."""
+        self._new_counter = new_counter
+        self._built = None
 
     def _on_forward(
         self, index: int, module: nn.Module, args: tuple, kwargs: dict, output: Any
@@ -558,7 +590,10 @@ class PerSampleEngine:
                     if not calls:
                         blocks.append((size, None))
                         continue
-                    ctx = Context(size, self._micro_scale(micro), self.chunk_size, budget, warn)
+                    counting = (_Counting(self, index) if self._new_counter is not None
+                                and len(sizes) == 1 else None)
+                    ctx = Context(size, self._micro_scale(micro), self.chunk_size, budget, warn,
+                                  counting)
                     blocks.append((size, self._module_grads(hooked, calls, ctx)))
                 if len(blocks) == 1:
                     built[index] = blocks[0][1]
@@ -572,6 +607,7 @@ class PerSampleEngine:
         self._status = None
         self._cache = {}
         self._shared = {}
+        self.swept = {}
         return built
 
     def _module_grads(self, hooked: _Hooked, calls: list[Call], ctx: Context) -> ModuleGrads:
@@ -792,15 +828,18 @@ class PerSampleEngine:
             checked[name] = v.to(device=p.device, dtype=p.dtype)
         return checked
 
-    def per_sample_parts(self) -> Iterator[tuple[str, Part]]:
+    def per_sample_parts(self, skip: Collection[str] = ()) -> Iterator[tuple[str, Part]]:
         """(name, part) covering every parameter's gᵢ, without joining them: consecutive
         samples per part, in sample order per parameter, one module's at a time (parts of
         one module's parameters interleave). A part is a (b, *param.shape) tensor or, for
-        outer-product layers, a `RankOne` factorisation (see `rules.base`)."""
+        outer-product layers, a `RankOne` factorisation (see `rules.base`). Parameters in
+        `skip` are left out (a module whose parameters all are is not materialised)."""
         built = self._build()
         batch = self.batch_size
         done: set[int] = set()
         for name in self.param_names:
+            if name in skip:
+                continue
             owners = self._owners_of(name)
             step = samples_per_chunk(self.chunk_size, self._params[name].numel())
             if owners is None or isinstance(owners, str):
@@ -818,7 +857,9 @@ class PerSampleEngine:
                 done.add(index)
                 names = self._hooked[index].names
                 alone = {local for local, n in names.items()
-                         if self._owners_of(n) == [(index, local)]}
+                         if self._owners_of(n) == [(index, local)] and n not in skip}
+                if not alone:
+                    continue
                 for part in built[index].parts():
                     for local, value in part.items():
                         if local in alone:

@@ -30,6 +30,7 @@ import contextlib
 import re
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from .batch import Batch
 from .config import check_curvature_mode, resolve_quantities
 from .engine import PerSampleEngine
 from .global_batch import REPLICATED, GlobalStep
+from .histograms import GradHistogram
 from .histograms.per_step import (
     HIST2D_BINS,
     HIST2D_RANGE,
@@ -430,7 +432,12 @@ class Instruments:
         update: list[Tensor] | None = None
         if state.theta is not None:
             with torch.no_grad():
-                update = [p - t for p, t in zip(self._own_params(), state.theta)]
+                if not due & needing("snapshot") <= {"Alpha", "UpdateSize"}:  # θₜ read later
+                    update = [p - t for p, t in zip(self._own_params(), state.theta)]
+                else:  # only dₜ = θₜ₊₁ − θₜ is read: made in θₜ's place
+                    update = [torch.sub(p, t, out=t)
+                              for p, t in zip(self._own_params(), state.theta)]
+                    state.theta = None
 
         batch: Batch | None = None
         batch_error = NO_LOSS
@@ -442,6 +449,9 @@ class Instruments:
         if update is not None and not self._sharded:
             state.update_sizes = layer_norms(update)
         if batch is not None and self.reducer is None:
+            if due & HISTOGRAM_NAMES == {"GradHist1d"} and self._histograms.bins is not None:
+                # counted while the statistics materialise gᵢ: no second pass, none kept
+                self._engine.count_in_sweeps(partial(GradHistogram, self._histograms.bins))
             # a failure here is reported by each quantity that needs the products
             with contextlib.suppress(Exception):
                 self._want_dots(state, batch, update)
@@ -485,7 +495,8 @@ class Instruments:
                 except Exception as error:
                     out.append(missing("Alpha", start.step, describe(error)))
 
-        for name in self.quantities:
+        # histograms last: the statistics' sweeps count them on the way (count_in_sweeps)
+        for name in sorted(self.quantities, key=lambda q: q in HISTOGRAM_NAMES):
             if name in due:
                 attempt(name, lambda name=name: COMPUTE[name](self, name, state, batch, update))
         return out

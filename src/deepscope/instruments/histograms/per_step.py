@@ -101,7 +101,11 @@ def histogram_counters(
     values = theta or {}
     param_bins, grad_bins = settings.hist2d
     counters: dict[str, dict[str, GradHistogram]] = {name: {} for name in due}
-    for pname, part in engine.per_sample_parts():
+    # GradHist1d alone: what the statistics' sweeps counted already (count_in_sweeps)
+    swept = ({n: h for n, h in engine.swept.items() if n not in batch.unavailable()}
+             if due == {"GradHist1d"} and settings.bins is not None else {})
+    counters.get("GradHist1d", {}).update(swept)
+    for pname, part in engine.per_sample_parts(skip=swept):
         if pname in batch.unavailable():
             continue
         if "GradHist1d" in due:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 # Most elements of per-sample gradients materialised at once: chunks of up to `chunk_size`
 # samples are cut smaller for large layers, so that the allocator reuses one chunk's memory
 # for the next (on the CPU a fresh mapping per chunk page-faults on every first touch)
-CHUNK_ELEMENTS = 1 << 21
+CHUNK_ELEMENTS = 1 << 20
 
 
 def samples_per_chunk(chunk_size: int, elements: int) -> int:
@@ -78,7 +78,8 @@ class Context:
     batch_size: B.  scale: factor turning captured output gradients into gradients of
     the per-sample losses (B for a mean-reduced loss, 1 for a sum).  chunk_size: samples
     per materialised chunk.  budget: bytes of per-sample gradients rules may keep for
-    reuse within the step.  warn: records a user-facing message once.
+    reuse within the step.  warn: records a user-facing message once.  counting: counts
+    what a materialising sweep goes through (see `Counting`), or None.
     """
 
     batch_size: int
@@ -86,6 +87,19 @@ class Context:
     chunk_size: int
     budget: Budget
     warn: Callable[[str], None]
+    counting: Counting | None = None
+
+
+class Counting(Protocol):
+    """Counters fed by a module's materialising sweep (`ModuleGrads._fused_pass`): the
+    step's histograms counted on the way, so that no later pass materialises those
+    per-sample gradients again and none are kept for it."""
+
+    def fresh(self) -> dict[str, Any]:
+        """module-local parameter name -> a new counter (`.add(chunk)`) for those to count."""
+
+    def done(self, counters: dict[str, Any]) -> None:
+        """The sweep went through every sample: `counters` are complete."""
 
 
 @dataclass(frozen=True)
@@ -220,26 +234,45 @@ class ModuleGrads:
         with `vector_sets`, that sweep also takes the dots (`self._swept_dots`, name ->
         (B, sets holding it) columns)."""
         if self._fused is None:
-            keep = self._kept is None and self.ctx.budget.take(self._nbytes())
+            counters = self.ctx.counting.fresh() if self.ctx.counting is not None else {}
+            # kept for the histogram pass's reuse, unless counted here
+            keep = not counters and self._kept is None and self.ctx.budget.take(self._nbytes())
             sq: dict[str, list[Tensor]] = {name: [] for name in self.shapes}
             total: dict[str, Tensor] = {}
             squares: dict[str, Tensor] = {}
-            kept: dict[str, list[Tensor]] = {name: [] for name in self.shapes}
+            # filled chunk by chunk: a list of chunks joined at the end would hold them twice
+            kept: dict[str, Tensor] = {}
             stacked = _stacked_vectors(vector_sets)
             dots: dict[str, list[Tensor]] = {name: [] for name in stacked}
+            lo = 0
             for chunk in self.chunks():
                 for name, g in chunk.items():
+                    if keep and len(g) == self.ctx.batch_size:  # one chunk: kept as it is
+                        kept[name] = g
+                    elif keep:  # copied in, then read from there: the chunk is dropped
+                        if name not in kept:
+                            kept[name] = g.new_empty(self.ctx.batch_size, *g.shape[1:])
+                        kept[name][lo:lo + len(g)] = g
+                        g = chunk[name] = kept[name][lo:lo + len(g)]
                     if name in stacked:
                         dots[name].append(g.flatten(1) @ stacked[name])
+                    if name in counters:
+                        try:
+                            counters[name].add(g)
+                        except Exception:  # not this sweep's failure: its own pass reports it
+                            del counters[name]
                     g2 = g.square()
                     sq[name].append(g2.flatten(1).sum(1))
                     total[name] = total[name] + g.sum(0) if name in total else g.sum(0)
                     sq_g = g2.sum(0)
+                    del g2  # one chunk-sized temporary at a time
                     squares[name] = squares[name] + sq_g if name in squares else sq_g
-                    if keep:
-                        kept[name].append(g)
+                lo += len(g)
+                chunk = g = None  # not held while the next chunk is made
             if keep:
-                self._kept = {name: torch.cat(parts) for name, parts in kept.items()}
+                self._kept = kept
+            if counters:
+                self.ctx.counting.done(counters)
             self._fused = ({n: torch.cat(v) for n, v in sq.items()}, total, squares)
             self._swept_dots = {name: torch.cat(p) for name, p in dots.items()}
         return self._fused
@@ -286,11 +319,16 @@ class ModuleGrads:
         """name -> (B, *param.shape): every gᵢ of this module at once."""
         if self._kept is not None:
             return self._kept
-        parts: dict[str, list[Tensor]] = {name: [] for name in self.shapes}
-        for chunk in self.chunks():
+        out: dict[str, Tensor] = {}
+        lo = 0
+        for chunk in self.chunks():  # filled in place: joining a list would hold it twice
             for name, g in chunk.items():
-                parts[name].append(g)
-        return {name: torch.cat(p) for name, p in parts.items()}
+                if name not in out:
+                    out[name] = g.new_empty(self.ctx.batch_size, *g.shape[1:])
+                out[name][lo:lo + len(g)] = g
+            lo += len(g)
+            chunk = g = None
+        return out
 
 
 def _stacked_vectors(vector_sets: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
@@ -456,7 +494,14 @@ class Rule:
 
     def _grad(self, call: Call, ctx: Context, dtype: torch.dtype) -> Tensor:
         """The scaled gradient w.r.t. the call's single output, in `dtype`."""
+        return self._output_grad(call, dtype) * ctx.scale
+
+    def _output_grad(self, call: Call, dtype: torch.dtype) -> Tensor:
+        """The gradient w.r.t. the call's single output as captured (not scaled), in
+        `dtype`: rules that keep it for the step scale slices of it when they use them
+        (`Context.scale`), so that no scaled copy of every layer's output gradient is
+        held for the step."""
         g = call.grads[0]
         if g is None or len(call.grads) != 1 or call.out_index != [0]:
             raise Unsupported("its output is not a single tensor")
-        return g.to(dtype) * ctx.scale
+        return g.to(dtype)

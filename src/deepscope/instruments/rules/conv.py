@@ -96,21 +96,22 @@ class ConvRule(Rule):
         dtype = next(iter(self.params.values())).dtype
         groups = module.groups
         xs, gs = [], []
-        outs = []  # each call's scaled output gradient (B, C_out, *out)
+        outs = []  # each call's output gradient (B, C_out, *out), not scaled
         for call in calls:
             x = first_input(call)
             if x.dim() != n + 2:
                 raise Unsupported(f"its input is {x.dim()}-D; give it a batch dimension at dim 0")
-            g = self._grad(call, ctx, dtype)
+            g = self._output_grad(call, dtype)  # scaled by the slice where used
             # (B, C_out, *out) -> (B, groups, L, C_out/groups)
             gs.append(g.reshape(g.shape[0], groups, module.out_channels // groups, -1))
             outs.append(g)
             xs.append(x)
         positions = sum(g.shape[-1] for g in gs)
+        scale = ctx.scale
 
         def patches(lo: int, hi: int) -> tuple[Tensor, Tensor]:
             px = [unfold(x[lo:hi].to(dtype), module) for x in xs]
-            pg = [g[lo:hi].transpose(-1, -2) for g in gs]
+            pg = [(g[lo:hi] * scale).transpose(-1, -2) for g in gs]
             return (px[0], pg[0]) if len(px) == 1 else (torch.cat(px, 2), torch.cat(pg, 2))
 
         in_per_group = module.in_channels // groups * math.prod(module.kernel_size)
@@ -128,7 +129,7 @@ class ConvRule(Rule):
                       for x, pad in ins]
                 ys = [y.reshape(y.shape[0], groups, w.shape[1], -1) for y in ys]
                 out.append((ys[0] if len(ys) == 1 else torch.cat(ys, 3)).transpose(2, 3))
-            pg = [g[lo:hi].transpose(-1, -2) for g in gs]
+            pg = [(g[lo:hi] * scale).transpose(-1, -2) for g in gs]
             return out, pg[0] if len(pg) == 1 else torch.cat(pg, 2)
 
         def weight_grads(lo: int, hi: int, per_sample: bool) -> Tensor:
@@ -140,7 +141,7 @@ class ConvRule(Rule):
                 weight = x.new_empty(b * module.out_channels, module.in_channels // groups,
                                      *module.kernel_size)  # only its shape is read
                 grad = torch.ops.aten.convolution_backward(
-                    g[lo:hi].reshape(-1, b * module.out_channels, *g.shape[2:]),
+                    (g[lo:hi] * scale).reshape(-1, b * module.out_channels, *g.shape[2:]),
                     x.reshape(-1, b * module.in_channels, *x.shape[2:]), weight,
                     None, module.stride, padding, module.dilation, False, (0,) * n,
                     b * groups, (False, True, False))[1]

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .base import (
+    CHUNK_ELEMENTS,
     Call,
     Context,
     ModuleGrads,
@@ -23,6 +24,7 @@ from .base import (
     Rule,
     Unsupported,
     first_input,
+    samples_per_chunk,
     split_dots,
 )
 
@@ -40,8 +42,8 @@ class OuterProductGrads(ModuleGrads):
     (groups·O, I)-shaped up to a reshape to `shapes[weight]` (`transposed`: (I, O), one
     group, as Hugging Face's Conv1D stores it); the bias (groups·O,).
     `step`: samples per call of `patches` in the passes that need no per-sample gradients
-    (the whole batch when the patches are views of stored tensors: chunking would only
-    add per-call overhead). `products`: the patches times weights without forming the
+    (the whole batch when the patches are small or views of stored tensors: chunking would
+    only add per-call overhead). `products`: the patches times weights without forming the
     patches (a conv's own kernel), for the passes that need only those; default: from the
     patches. `weight_grads(lo, hi, per_sample)`: the weight's per-sample gradients
     (hi - lo, *shape), or their sum, by a faster route than the patches (a conv's
@@ -288,18 +290,25 @@ class LinearRule(Rule):
             if x.dim() < 2:
                 raise Unsupported("its input is 1-D; give it a batch dimension at dim 0")
             xs.append(x.to(dtype).reshape(x.shape[0], -1, n_in))
-            gs.append(self._grad(call, ctx, dtype).reshape(x.shape[0], -1, n_out))
+            gs.append(self._output_grad(call, dtype).reshape(x.shape[0], -1, n_out))
         # (B, 1 group, T, features); concatenating calls along T sums their contributions
         x_all = (xs[0] if len(xs) == 1 else torch.cat(xs, 1)).unsqueeze(1)
         g_all = (gs[0] if len(gs) == 1 else torch.cat(gs, 1)).unsqueeze(1)
+        scale = ctx.scale
+        # G scaled slice by slice, of at most a quarter of a materialised chunk (the sums'
+        # check holds a few at once); a small G (an MLP's) is scaled once, for every pass
+        once = g_all.numel() <= CHUNK_ELEMENTS // 16
+        if once:
+            g_all = g_all * scale
         return OuterProductGrads(
-            lambda lo, hi: (x_all[lo:hi], g_all[lo:hi]),
+            (lambda lo, hi: (x_all[lo:hi], g_all[lo:hi])) if once
+            else (lambda lo, hi: (x_all[lo:hi], g_all[lo:hi] * scale)),
             (1, x_all.shape[2], n_in, n_out),
             weight_and_bias(self.params),
             {n: p.shape for n, p in self.params.items()},
             dtype,
             ctx,
-            step=x_all.shape[0],
+            step=samples_per_chunk(x_all.shape[0], 4 * x_all.shape[2] * n_out),
             transposed=self.transposed,
         )
 
