@@ -120,3 +120,27 @@ def test_charts_kept_on_a_hidden_tab_are_drawn_when_it_is_shown(page) -> None:
     perf = wait_figure(page, "inst-performance", "gd.data.length > 0")
     assert "kpi: loss" in {t["name"] for t in perf["data"]}
     assert page.evaluate("window.deepscope.pending()") == []
+
+
+def instruments_answer(page, action) -> dict:
+    """The outputs the server's Instruments answer to `action()` sends ({id: {prop: ...}})."""
+    with page.expect_response(lambda r: "_dash-update-component" in r.url
+                              and "inst-figures" in (r.request.post_data or "")) as info:
+        action()
+    return info.value.json()["response"]
+
+
+def test_a_run_switch_sends_only_what_changed(page) -> None:
+    """Warnings and layer choices equal to those shown are not sent again (the page then
+    re-renders neither); the figures always are."""
+    open_tab(page, "Instruments")
+    wait_figure(page, "inst-gradnorm", "gd.data.length > 0")
+    page.wait_for_selector("#inst-warnings-0 p")          # base's warning
+    sent = instruments_answer(page, lambda: pick(page, "run", "other"))
+    assert {"inst-figures", "inst-warnings-0", "inst-layer"} <= set(sent)
+    page.wait_for_function("document.querySelector('#inst-warnings-0').innerText === ''")
+    # recurrent, like other, has no warning and no per-layer quantity
+    sent = instruments_answer(page, lambda: pick(page, "run", "recurrent"))
+    assert "inst-figures" in sent and "inst-drawn" in sent
+    assert not {k for k in sent if k.startswith("inst-warnings") or k == "inst-layer"}, sent
+    assert page.inner_text("#inst-warnings-0") == ""
