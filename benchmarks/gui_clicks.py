@@ -6,7 +6,11 @@ kind         another step kind chosen
 iteration    another iteration chosen
 step         "previous step" (the slider's buttons; the arrow keys do the same)
 tab          Graph -> Instruments and back (each way counted)
-run switch   another run chosen while the Instruments tab is shown
+run switch   another run chosen while the Instruments tab is shown (the page at its top: the
+             charts in the window are drawn, those below it only when scrolled near; the
+             server builds a run's answer on its first visit, later switches reuse it)
+scroll       the page scrolled to its bottom just after a run switch on the Instruments tab
+             (the charts below the window are drawn then)
 catch-up     Instruments -> Graph just after a run switch there (a hidden tab catches up when
              shown; the Instruments tab before the switch is not counted)
 
@@ -65,17 +69,19 @@ window.fetch = function (input, init) {
 };
 """
 
-# Clicks the first element matching `selector` whose text contains `text`; resolves with the
-# milliseconds until the page settled (see the module docstring), or -1 after 20 s.
+# Clicks the first element matching `selector` whose text contains `text` (selector "scroll":
+# scrolls the page to its bottom); resolves with the milliseconds until the page settled (see
+# the module docstring), or -1 after 20 s.
 SETTLE_JS = """
 async ([selector, text, quiet]) => {
-    const el = [...document.querySelectorAll(selector)]
-        .find((e) => !text || e.textContent.includes(text));
+    const el = selector === 'scroll' ? document.documentElement
+        : [...document.querySelectorAll(selector)]
+            .find((e) => !text || e.textContent.includes(text));
     if (!el) { return -2; }
     const t0 = performance.now();
     window.__ds.last = t0;
     window.__ds.t0 = t0;
-    el.click();
+    if (selector === 'scroll') { window.scrollTo(0, el.scrollHeight); } else { el.click(); }
     // the click's own rendering counts too (a tab switch may ask the server nothing)
     window.__ds.pending += 1;
     requestAnimationFrame(() => setTimeout(() => {
@@ -113,7 +119,8 @@ def stats(name: str, ms: list[float]) -> dict[str, float]:
     ordered = sorted(ms)
     p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
     row = {"n": len(ordered), "median_ms": round(statistics.median(ordered), 1),
-           "p95_ms": round(p95, 1), "max_ms": round(ordered[-1], 1)}
+           "p95_ms": round(p95, 1), "max_ms": round(ordered[-1], 1),
+           "all_ms": [round(v, 1) for v in ms]}  # in click order (the first may build)
     print(f"{name:<11} n={row['n']:>3}  median={row['median_ms']:7.1f} ms  "
           f"p95={row['p95_ms']:7.1f} ms  max={row['max_ms']:7.1f} ms", flush=True)
     return row
@@ -185,6 +192,13 @@ def measure(data: Path, clicks: int, browser_path: str, loads: int,
                 settle("#tabs .tab", "Instruments")
                 out["run_switch"] = stats("run switch", [
                     choose("run", ("fixed", "bugged")[i % 2]) for i in range(clicks)])
+            if want("scroll"):
+                settle("#tabs .tab", "Instruments")
+                scroll = []
+                for i in range(clicks):
+                    choose("run", ("fixed", "bugged")[i % 2])  # the run selector is at the top
+                    scroll.append(settle("scroll"))
+                out["scroll"] = stats("scroll", scroll)
             if want("catch_up"):
                 catch_up = []
                 for i in range(clicks):
@@ -204,8 +218,8 @@ def main() -> None:
     parser.add_argument("--clicks", type=int, default=20)
     parser.add_argument("--loads", type=int, default=5)
     parser.add_argument("--browser", default="/usr/bin/chromium")
-    parser.add_argument("--only", help="measure only these clicks (comma-separated: node, "
-                        "kind, iteration, step, tab, run_switch, catch_up); first load always")
+    parser.add_argument("--only", help="measure only these clicks (comma-separated: node, kind, "
+                        "iteration, step, tab, run_switch, scroll, catch_up); first load always")
     parser.add_argument("--out", type=Path, help="also write the numbers as JSON here")
     args = parser.parse_args()
     ensure_demo(args.data)
