@@ -6,7 +6,11 @@ kind         another step kind chosen
 iteration    another iteration chosen
 step         "previous step" (the slider's buttons; the arrow keys do the same)
 tab          Graph -> Instruments and back (each way counted)
-run switch   another run chosen while the Instruments tab is shown
+run switch   another run chosen while the Instruments tab is shown (the page at its top: the
+             charts in the window are drawn, those below it only when scrolled near; the
+             server builds a run's answer on its first visit, later switches reuse it)
+scroll       the page scrolled to its bottom just after a run switch on the Instruments tab
+             (the charts below the window are drawn then)
 catch-up     Instruments -> Graph just after a run switch there (a hidden tab catches up when
              shown; the Instruments tab before the switch is not counted)
 
@@ -38,11 +42,15 @@ QUIET_MS = 250
 TRACK_JS = """
 window.__ds = {pending: 0, last: 0, t0: Infinity};
 // Plotly draws after the answer's frame (dcc.Graph's promises): its long tasks count too.
-new PerformanceObserver((list) => list.getEntries().forEach((e) => {
+// The observer's callback runs at low priority, after timers: `absorb(takeRecords())` in the
+// settle check reads a long task that has just ended before deciding the page is quiet.
+window.__ds.absorb = (entries) => entries.forEach((e) => {
     if (e.startTime >= window.__ds.t0) {
         window.__ds.last = Math.max(window.__ds.last, e.startTime + e.duration);
     }
-})).observe({type: 'longtask'});
+});
+window.__ds.tasks = new PerformanceObserver((list) => window.__ds.absorb(list.getEntries()));
+window.__ds.tasks.observe({type: 'longtask'});
 const plainFetch = window.fetch;
 window.fetch = function (input, init) {
     const url = String((input && input.url) || input);
@@ -61,17 +69,19 @@ window.fetch = function (input, init) {
 };
 """
 
-# Clicks the first element matching `selector` whose text contains `text`; resolves with the
-# milliseconds until the page settled (see the module docstring), or -1 after 20 s.
+# Clicks the first element matching `selector` whose text contains `text` (selector "scroll":
+# scrolls the page to its bottom); resolves with the milliseconds until the page settled (see
+# the module docstring), or -1 after 20 s.
 SETTLE_JS = """
 async ([selector, text, quiet]) => {
-    const el = [...document.querySelectorAll(selector)]
-        .find((e) => !text || e.textContent.includes(text));
+    const el = selector === 'scroll' ? document.documentElement
+        : [...document.querySelectorAll(selector)]
+            .find((e) => !text || e.textContent.includes(text));
     if (!el) { return -2; }
     const t0 = performance.now();
     window.__ds.last = t0;
     window.__ds.t0 = t0;
-    el.click();
+    if (selector === 'scroll') { window.scrollTo(0, el.scrollHeight); } else { el.click(); }
     // the click's own rendering counts too (a tab switch may ask the server nothing)
     window.__ds.pending += 1;
     requestAnimationFrame(() => setTimeout(() => {
@@ -80,6 +90,7 @@ async ([selector, text, quiet]) => {
     }, 0));
     return await new Promise((resolve) => {
         const tick = () => {
+            window.__ds.absorb(window.__ds.tasks.takeRecords());
             const now = performance.now();
             if (now - t0 > 20000) { resolve(-1); return; }
             if (window.__ds.pending === 0 && now - window.__ds.last >= quiet) {
@@ -108,13 +119,15 @@ def stats(name: str, ms: list[float]) -> dict[str, float]:
     ordered = sorted(ms)
     p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
     row = {"n": len(ordered), "median_ms": round(statistics.median(ordered), 1),
-           "p95_ms": round(p95, 1), "max_ms": round(ordered[-1], 1)}
+           "p95_ms": round(p95, 1), "max_ms": round(ordered[-1], 1),
+           "all_ms": [round(v, 1) for v in ms]}  # in click order (the first may build)
     print(f"{name:<11} n={row['n']:>3}  median={row['median_ms']:7.1f} ms  "
           f"p95={row['p95_ms']:7.1f} ms  max={row['max_ms']:7.1f} ms", flush=True)
     return row
 
 
-def measure(data: Path, clicks: int, browser_path: str, loads: int) -> dict[str, Any]:
+def measure(data: Path, clicks: int, browser_path: str, loads: int,
+            only: set[str] | None = None) -> dict[str, Any]:
     from playwright.sync_api import sync_playwright
 
     from deepscope.gui.server import make_server
@@ -156,26 +169,43 @@ def measure(data: Path, clicks: int, browser_path: str, loads: int) -> dict[str,
                 page.wait_for_selector(f"[role=listbox] [role=option]:has-text('{label}')")
                 return settle("[role=listbox] [role=option]", label)
 
+            def want(kind: str) -> bool:
+                return only is None or kind in only
+
             nodes = page.evaluate("cy.nodes().map(n => n.id())")
-            out["node"] = stats("node", [settle(f'.node-btn[data-node="{nodes[i % len(nodes)]}"]')
-                                         for i in range(clicks)])
-            out["kind"] = stats("kind", [choose("kind", ("len_01", "len_08")[i % 2])
-                                         for i in range(clicks)])
-            out["iteration"] = stats("iteration", [choose("iteration", f"iteration {i % 2}")
-                                                   for i in range(clicks)])
-            out["step"] = stats("step", [settle("#step-prev") for _ in range(clicks)])
-            tabs = [settle("#tabs .tab", ("Instruments", "Graph")[i % 2])
-                    for i in range(2 * (clicks // 2))]
-            out["tab"] = stats("tab", tabs)
-            settle("#tabs .tab", "Instruments")
-            out["run_switch"] = stats("run switch", [choose("run", ("fixed", "bugged")[i % 2])
-                                                     for i in range(clicks)])
-            catch_up = []
-            for i in range(clicks):
+            if want("node"):
+                out["node"] = stats("node", [
+                    settle(f'.node-btn[data-node="{nodes[i % len(nodes)]}"]')
+                    for i in range(clicks)])
+            if want("kind"):
+                out["kind"] = stats("kind", [choose("kind", ("len_01", "len_08")[i % 2])
+                                             for i in range(clicks)])
+            if want("iteration"):
+                out["iteration"] = stats("iteration", [
+                    choose("iteration", f"iteration {i % 2}") for i in range(clicks)])
+            if want("step"):
+                out["step"] = stats("step", [settle("#step-prev") for _ in range(clicks)])
+            if want("tab"):
+                out["tab"] = stats("tab", [settle("#tabs .tab", ("Instruments", "Graph")[i % 2])
+                                           for i in range(2 * (clicks // 2))])
+            if want("run_switch"):
                 settle("#tabs .tab", "Instruments")
-                choose("run", ("fixed", "bugged")[i % 2])
-                catch_up.append(settle("#tabs .tab", "Graph"))
-            out["catch_up"] = stats("catch-up", catch_up)
+                out["run_switch"] = stats("run switch", [
+                    choose("run", ("fixed", "bugged")[i % 2]) for i in range(clicks)])
+            if want("scroll"):
+                settle("#tabs .tab", "Instruments")
+                scroll = []
+                for i in range(clicks):
+                    choose("run", ("fixed", "bugged")[i % 2])  # the run selector is at the top
+                    scroll.append(settle("scroll"))
+                out["scroll"] = stats("scroll", scroll)
+            if want("catch_up"):
+                catch_up = []
+                for i in range(clicks):
+                    settle("#tabs .tab", "Instruments")
+                    choose("run", ("fixed", "bugged")[i % 2])
+                    catch_up.append(settle("#tabs .tab", "Graph"))
+                out["catch_up"] = stats("catch-up", catch_up)
             browser.close()
     finally:
         server.shutdown()
@@ -188,10 +218,13 @@ def main() -> None:
     parser.add_argument("--clicks", type=int, default=20)
     parser.add_argument("--loads", type=int, default=5)
     parser.add_argument("--browser", default="/usr/bin/chromium")
+    parser.add_argument("--only", help="measure only these clicks (comma-separated: node, kind, "
+                        "iteration, step, tab, run_switch, scroll, catch_up); first load always")
     parser.add_argument("--out", type=Path, help="also write the numbers as JSON here")
     args = parser.parse_args()
     ensure_demo(args.data)
-    result = measure(args.data, args.clicks, args.browser, args.loads)
+    only = set(args.only.split(",")) if args.only else None
+    result = measure(args.data, args.clicks, args.browser, args.loads, only)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
 

@@ -79,12 +79,31 @@ def figure(page, graph_id: str) -> dict:
 
 
 def wait_figure(page, graph_id: str, condition: str) -> dict:
-    """Wait until `condition` (JS over `gd`) holds for a chart, and return it."""
+    """Wait until `condition` (JS over `gd`) holds for a chart, and return it. A chart kept
+    blank ("stale") until it comes near the window (a dashboard's charts below it) is
+    scrolled to."""
     page.wait_for_function(f"""(() => {{
         const el = document.getElementById('{graph_id}');
         const gd = el && el.querySelector('.js-plotly-plot');
-        return gd && gd.layout && ({condition}); }})()""", timeout=20_000)
+        const kept = el && el.closest('.stale');
+        if (kept) {{ el.scrollIntoView({{block: 'nearest'}}); }}
+        return gd && gd.layout && !kept && ({condition}); }})()""", timeout=20_000)
     return figure(page, graph_id)
+
+
+def draw_all(page) -> None:
+    """Draw every chart kept until it comes near the window (before a picture of the whole
+    page, as printing does), and wait until plotly drew them."""
+    page.evaluate("""() => new Promise((resolve) => {
+        const kept = [...document.querySelectorAll('.stale .js-plotly-plot')];
+        let left = kept.length;
+        const done = () => { left -= 1; if (left <= 0) { resolve(); } };
+        kept.forEach((gd) => gd.once('plotly_afterplot', done));
+        setTimeout(resolve, 15000);
+        if (!left) { resolve(); }
+        window.deepscope.drawAll();
+    })""")
+    page.wait_for_function("!document.querySelector('.stale')", timeout=20_000)
 
 
 def pick(page, dropdown_id: str, label: str) -> None:
@@ -190,6 +209,7 @@ def test_instruments_tab_shows_the_dashboard(page) -> None:
     wait_figure(page, "inst-gradnorm", "gd.data.length && gd.data[0].y[1] > "
                 f"{norm['data'][0]['y'][1] + 1e-9}")
     page.mouse.move(0, 0)  # no hover toolbar in the picture
+    draw_all(page)
     page.screenshot(path=str(IMG / "instruments.png"), full_page=True)
 
 
@@ -266,8 +286,9 @@ def test_a_failing_panel_or_run_shows_its_error_and_the_rest_still_works(
 
 
 def test_a_failing_instrument_panel_shows_its_error_and_the_others_draw(
-        page, monkeypatch: pytest.MonkeyPatch) -> None:
-    """All Instruments panels are drawn by one callback: one panel's failure stays in it."""
+        browser, project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """All Instruments panels are drawn by one callback: one panel's failure stays in it.
+    (A server of its own: the module's keeps the answers it built, per run version.)"""
     from deepscope.gui.tabs import instruments
 
     plain = instruments.render_panel
@@ -277,11 +298,18 @@ def test_a_failing_instrument_panel_shows_its_error_and_the_others_draw(
             raise RuntimeError("simulated failure")
         return plain(rd, panel, layer)
     monkeypatch.setattr(instruments, "render_panel", render)
-    page.click("text=Instruments")
-    failed = wait_figure(page, "inst-gradnorm", "gd.layout.annotations")
-    assert "simulated failure" in failed["layout"]["annotations"][0]["text"]
-    tests = wait_figure(page, "inst-tests", "gd.data.length === 3")
-    assert {t["name"] for t in tests["data"]} == {"NormTest", "InnerTest", "OrthoTest"}
+    url, server = start_server(project)
+    context, page = open_graph(browser, url)
+    try:
+        page.click("text=Instruments")
+        failed = wait_figure(page, "inst-gradnorm", "gd.layout.annotations")
+        assert "simulated failure" in failed["layout"]["annotations"][0]["text"]
+        tests = wait_figure(page, "inst-tests", "gd.data.length === 3")
+        assert {t["name"] for t in tests["data"]} == {"NormTest", "InnerTest", "OrthoTest"}
+    finally:
+        context.close()
+        server.shutdown()
+        server.server_close()
 
 
 def test_new_steps_and_structures_appear_without_reload(browser, tmp_path: Path) -> None:

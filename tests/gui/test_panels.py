@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -14,11 +15,12 @@ from deepscope.gui import graph_view, panels
 from deepscope.gui.data import ProjectData
 from deepscope.gui.figures import decimate, ema
 from deepscope.gui.selection import Request, resolve
+from deepscope.gui.tabs import instruments
 from deepscope.gui.tabs.graph import node_colouring
 from deepscope.gui.tabs.instruments import PANELS, layer_options, render_panel, section_warnings
 from deepscope.instruments.base import QuantityValue
 
-from .conftest import STEPS, WARNING
+from .conftest import STEPS, WARNING, record_run
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +157,38 @@ def test_warnings_are_listed_in_the_sections_of_the_quantities_they_affect(
                                                   [f"{head} (affects NormTest, InnerTest)"],
                                                   [], []]
     assert section_warnings(data.run("other")) == [[], [], [], []]
+
+
+def test_the_instruments_answer_is_built_once_per_run_version(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Switching back and forth between runs builds no figure again while the files are
+    unchanged; a commit (new size or time) rebuilds it; an answer holding a failed panel is
+    not kept, so the next switch tries again."""
+    record_run(tmp_path, "base")
+    built: list[str] = []
+    fail = {"GradNorm"}
+    plain = instruments.render_panel
+
+    def counted(rd: object, panel: instruments.Panel, layer: str) -> object:
+        built.append(panel.title)
+        if fail & set(panel.names):
+            raise RuntimeError("simulated failure")
+        return plain(rd, panel, layer)
+    monkeypatch.setattr(instruments, "render_panel", counted)
+    rd = ProjectData(tmp_path).run("base")
+    first, _ = instruments.cached_dashboard(rd, "")
+    assert "simulated failure" in first["inst-gradnorm"]["layout"]["annotations"][0]["text"]
+    instruments.cached_dashboard(rd, "")            # a failed answer is built again
+    assert len(built) == 2 * len(PANELS)
+    fail.clear()
+    kept, warnings = instruments.cached_dashboard(rd, "")
+    assert instruments.cached_dashboard(rd, "") == (kept, warnings)
+    assert len(built) == 3 * len(PANELS)            # kept: the fourth call built nothing
+    assert kept["inst-gradnorm"]["data"][0]["name"] == "GradNorm"
+    instruments.cached_dashboard(rd, "pre.weight")  # another layer is another answer
+    assert len(built) == 4 * len(PANELS)
+    store = tmp_path / "base" / "rank0.sqlite"
+    stat = store.stat()
+    os.utime(store, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # as a commit does
+    instruments.cached_dashboard(rd, "")
+    assert len(built) == 5 * len(PANELS)

@@ -18,7 +18,7 @@ from deepscope.demo import DemoConfig, run_demo
 from deepscope.gui.graph_view import MISSING_COLOUR
 
 from .conftest import start_server
-from .test_browser import IMG, WIDTH, figure, pick, wait_figure, wait_graph, wait_table
+from .test_browser import IMG, WIDTH, draw_all, figure, pick, wait_figure, wait_graph, wait_table
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Page
@@ -59,6 +59,7 @@ def stat(page: Page, name: str, table: str = "#stats-table", column: str = "forw
 def shoot(page: Page, name: str, *selectors: str) -> None:
     """Save docs/img/tutorial_<name>.png: the region around `selectors`, or the whole page."""
     page.mouse.move(0, 0)  # no hover labels or toolbars in the picture
+    draw_all(page)
     path = str(IMG / f"tutorial_{name}.png")
     if not selectors:
         page.screenshot(path=path, full_page=True)

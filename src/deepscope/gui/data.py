@@ -63,14 +63,17 @@ class LRU:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def get(self, key: Any, make: Callable[[], T]) -> T:
+    def get(self, key: Any, make: Callable[[], T],
+            keep: Callable[[T], bool] | None = None) -> T:
+        """The value of `key`, made by `make()` when not held; kept unless `keep(value)`
+        is false (e.g. an answer that holds an error: the next call tries again)."""
         with self._lock:
             if key in self._items:
                 self._items.move_to_end(key)
                 return self._items[key][0]
         value = make()  # outside the lock: building may take a while; a race only costs time
         size = approx_bytes(value)
-        if size > self.max_bytes:
+        if size > self.max_bytes or (keep is not None and not keep(value)):
             return value
         with self._lock:
             if key in self._items:
@@ -137,6 +140,13 @@ class RunData:
             with self.reading() as run:
                 return make(run)
         return self._cache.get((key, version), build)
+
+    def answer(self, key: str, make: Callable[[], T],
+               keep: Callable[[T], bool] | None = None) -> T:
+        """`make()`, a callback's answer built from this run's data (through this object:
+        it is not called under the run's lock), recomputed only when the files changed;
+        kept unless `keep(answer)` is false."""
+        return self._cache.get(("answer", key, self.version()), make, keep)
 
     # --- what every click needs, cached ------------------------------------------------
     def step_index(self) -> dict[str, tuple[list[int], list[int]]]:

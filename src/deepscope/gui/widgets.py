@@ -9,6 +9,8 @@ from typing import Any
 import dash
 from dash import Input, Output, dcc, html
 
+from . import ids
+
 GRAPH_CONFIG = {"displaylogo": False, "responsive": True,
                 "modeBarButtonsToRemove": ["lasso2d", "select2d"]}
 
@@ -31,13 +33,25 @@ def chart(id_: str, height: int = 260) -> dcc.Graph:
                      figure={"data": [], "layout": {"height": height}})
 
 
-def store_figures(app: dash.Dash, store: str, charts: Sequence[str]) -> None:
-    """The charts `charts` take their figures from the store `store` ({chart id: figure}) in
-    the browser (assets/app.js): one server answer updates them all."""
+def chart_box(id_: str, height: int = 260) -> html.Div:
+    """`chart(id_, height)` in a box of its height (id `<id_>-box`): the page does not jump
+    while plotly draws, and `lazy_figures` can blank the chart while its figure waits."""
+    return html.Div(chart(id_, height), id=f"{id_}-box", className="chart-box",
+                    style={"height": f"{height}px"})
+
+
+def lazy_figures(app: dash.Dash, store: str, view: str, charts: Sequence[str]) -> None:
+    """The charts `charts` (each in a `chart_box`) take their figures from the store `store`
+    ({chart id: figure}) in the browser (assets/app.js): those in the window at once, the
+    others when scrolled near, their tab shown or the page printed (the store `view` changes
+    then). A chart whose figure waits is blank, never the previous figure's numbers."""
     app.clientside_callback(
-        "function (figures) { return window.deepscope.figuresOf("
-        f"{json.dumps(list(charts))}, figures); }}",
-        [Output(c, "figure") for c in charts], Input(store, "data"), prevent_initial_call=True)
+        "function (figures, _view, tab) { return window.deepscope.lazyFigures("
+        f"{json.dumps(view)}, {json.dumps(list(charts))}, figures, tab); }}",
+        [Output(c, "figure") for c in charts] + [Output(f"{c}-box", "className")
+                                                 for c in charts],
+        Input(store, "data"), Input(view, "data"), Input(ids.TABS, "value"),
+        prevent_initial_call=True)
 
 
 def list_table(headers: list[str], rows: list[list[Any]]) -> html.Table:

@@ -61,11 +61,82 @@ document.addEventListener("keydown", function (event) {
     });
 })();
 
-// The Instruments tab's charts take their figures from one store ({chart id: figure}, see
-// widgets.store_figures): a chart missing from it keeps what it shows.
-window.deepscope = {
-    figuresOf: function (ids, figures) {
-        var skip = window.dash_clientside.no_update;
-        return ids.map(function (id) { return figures && id in figures ? figures[id] : skip; });
+// A long dashboard (the Instruments tab) draws the charts in the window first: Plotly takes
+// 15-40 ms a chart here, and a run switch redrew ten of them. `deepscope.lazyFigures` is the
+// body of one clientside callback (widgets.lazy_figures) whose outputs are every chart's
+// figure and its box's class, so a figure reaches its chart only through that callback:
+// - a new answer (the figures store) hands each chart in the window its figure and keeps
+//   the others' (their box gets the class "stale": blank, never the previous numbers);
+// - scrolling towards a kept chart (half a window ahead), showing its tab, or printing sets
+//   the view store, which runs the callback again to hand over what came near.
+window.deepscope = (function () {
+    var pending = {};    // chart id -> its newest figure, not handed over yet
+    var stale = {};      // chart id -> its box has the class "stale"
+    var answer = null;   // the figures store's value last seen
+    var everything = false;  // the next pass hands over every kept figure (print, pictures)
+    var view = null;     // the view store's id
+    function near(id, ahead) {
+        var el = document.getElementById(id);
+        if (!el || el.closest(".pane-hidden")) { return false; }
+        var box = el.getBoundingClientRect();
+        var margin = ahead * window.innerHeight;
+        return box.bottom > -margin && box.top < window.innerHeight + margin;
     }
-};
+    var queued = false;
+    function check(ahead) {  // at most once a frame: run the callback when a kept chart is near
+        if (queued || !view) { return; }
+        queued = true;
+        requestAnimationFrame(function () {
+            queued = false;
+            if (Object.keys(pending).some(function (id) {
+                return everything || near(id, ahead);
+            })) {
+                window.dash_clientside.set_props(view, {data: Date.now()});
+            }
+        });
+    }
+    window.addEventListener("scroll", function () { check(0.5); }, {passive: true});
+    window.addEventListener("resize", function () { check(0.5); });
+    function drawAll() { everything = true; check(0); }
+    window.addEventListener("beforeprint", drawAll);
+    return {
+        drawAll: drawAll,
+        pending: function () { return Object.keys(pending); },
+        // figures: {chart id: figure}; returns [figure per chart..., box class per chart...]
+        lazyFigures: function (store, ids, figures, tab) {
+            var skip = window.dash_clientside.no_update;
+            var triggered = (window.dash_clientside.callback_context.triggered || [])
+                .map(function (t) { return t.prop_id; });
+            view = store;
+            var ahead = 0.5;
+            if (figures !== answer) {  // a new answer: what is in the window now, no more
+                answer = figures;
+                ahead = 0;
+                ids.forEach(function (id) {
+                    if (figures && id in figures) { pending[id] = figures[id]; }
+                });
+            }
+            if (triggered.indexOf("tabs.value") >= 0) {
+                // the pane is shown once the tab strip's own callback ran: look next frame
+                check(0);
+                return ids.map(function () { return skip; }).concat(
+                    ids.map(function () { return skip; }));
+            }
+            var all = everything;
+            everything = false;
+            var out = ids.map(function (id) {
+                if (!(id in pending) || !(all || near(id, ahead))) { return skip; }
+                var figure = pending[id];
+                delete pending[id];
+                return figure;
+            });
+            var classes = ids.map(function (id) {
+                var kept = id in pending;
+                if (kept === !!stale[id]) { return skip; }
+                stale[id] = kept;
+                return kept ? "chart-box stale" : "chart-box";
+            });
+            return out.concat(classes);
+        }
+    };
+})();

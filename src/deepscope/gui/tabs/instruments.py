@@ -1,7 +1,7 @@
 """The Instruments tab: a Cockpit-like dashboard of training-dynamics quantities.
 
-One plotly panel per instrument, all drawn by one callback; a failing or missing quantity only
-affects its own panel. A quantity the run did not record says "not tracked".
+One plotly panel per instrument, all computed by one callback; a failing or missing quantity
+only affects its own panel. A quantity the run did not record says "not tracked".
 """
 
 from __future__ import annotations
@@ -17,18 +17,19 @@ from dash import Input, Output, State, ctx, html
 from ... import catalogue
 from .. import ids, ranks
 from ..axes import series_figure
-from ..data import ProjectData, RunData
+from ..data import ProjectData, RunData, fingerprint
 from ..figures import Figure, base_layout, line_trace, message_figure, note
 from ..guard import contained, error_box, error_figure
-from ..widgets import chart, dropdown, labelled, store_figures
+from ..widgets import chart_box, dropdown, labelled, lazy_figures
 from . import Tab, gate
 
 VALUE = "instruments"
 MAX_HIST_STEPS = 300  # columns of the gradient-histogram heatmap; more steps are thinned
 MAX_HIST_BINS = 400   # rows of the common grid (the finest recorded bin width, up to this)
-DRAWN = "inst-drawn"  # store: the run, layer and run version the panels show
+DRAWN = "inst-drawn"  # store: what the tab shows: {"key": `_key`, "warnings", "layers": hashes}
 SHOWN = "inst-in"     # store: [run, slow version] while the tab is shown (`tabs.gate`)
-FIGURES = "inst-figures"  # store: {chart id: figure} (widgets.store_figures)
+FIGURES = "inst-figures"  # store: {chart id: figure} (widgets.lazy_figures)
+VIEW = "inst-view"        # store: set when charts kept blank came near (widgets.lazy_figures)
 
 
 @dataclass(frozen=True)
@@ -192,9 +193,7 @@ def layout(_run_options: list[dict[str, str]]) -> html.Div:
         sections.append(html.Section([
             html.H2(title),
             html.Div(id=f"inst-warnings-{i}", className="inst-warnings"),  # beside the charts
-            # each chart in a box of its height: the page does not jump while plotly draws
-            html.Div([html.Div(chart(f"inst-{k}", PANELS[k].height),
-                               style={"height": f"{PANELS[k].height}px"}) for k in keys],
+            html.Div([chart_box(f"inst-{k}", PANELS[k].height) for k in keys],
                      className="panel-grid"),
         ], className="card"))
     return html.Div([
@@ -219,39 +218,80 @@ def register(app: dash.Dash, project: ProjectData) -> None:
     The layer choices, all panels and the warnings are one callback: one request and one
     render pass per change (one request per panel made the browser's rendering, not the
     server, the bottleneck); a panel that fails still shows its own error. Coming back to
-    the tab with nothing changed asks nothing: the charts keep their figures.
+    the tab with nothing changed asks nothing: the charts keep their figures. The answer is
+    kept per run version (`cached_dashboard`), and the browser draws the charts in the
+    window first, the others when they come near it (`widgets.lazy_figures`).
     """
     gate(app, VALUE, SHOWN, (ids.RUN, "value"), (ids.VERSION_SLOW, "data"))
-    store_figures(app, FIGURES, [f"inst-{k}" for k in PANELS])
+    lazy_figures(app, FIGURES, VIEW, [f"inst-{k}" for k in PANELS])
 
     @app.callback(Output("inst-layer", "options"), Output("inst-layer", "value"),
                   Output(FIGURES, "data"),
                   *[Output(f"inst-warnings-{i}", "children") for i in range(len(SECTIONS))],
                   Output(DRAWN, "data"), Input(SHOWN, "data"), Input("inst-layer", "value"),
                   State(DRAWN, "data"), prevent_initial_call=True)
-    def _draw(shown: list | None, layer: str | None, drawn: list | None) -> tuple:
+    def _draw(shown: list | None, layer: str | None, drawn: dict | None) -> tuple:
         run, version = shown or (None, None)
         if not run:
             raise dash.exceptions.PreventUpdate
         rd = project.run(run)
+        drawn = drawn or {}
+        now = dict(drawn)
         options, asked = dash.no_update, layer or ""
         if ctx.triggered_id == SHOWN:  # another run or new data: its layers
-            options = layer_options(rd)
+            options = rd.answer("instruments:layers", lambda: layer_options(rd))
             if asked not in {o["value"] for o in options}:
                 asked = ""
-        key = _key(run, asked, version)
-        if drawn == key:
+            now["layers"] = fingerprint(options)
+        now["key"] = _key(run, asked, version)
+        if drawn.get("key") == now["key"]:
             raise dash.exceptions.PreventUpdate
-        figures = {f"inst-{k}": contained(lambda p=p: render_panel(rd, p, asked),
-                                          lambda msg, p=p: error_figure(msg, p.title,
-                                                                        p.height), p.title)
-                   for k, p in PANELS.items()}
-        warnings = contained(
-            lambda: [[html.P(line) for line in lines] for lines in section_warnings(rd)],
-            lambda msg: [[error_box(f"warnings: {msg}")]] + [[] for _ in SECTIONS[1:]],
-            "warnings")
-        return (options, asked if asked != (layer or "") else dash.no_update, figures,
-                *warnings, key)
+        figures, warnings = cached_dashboard(rd, asked)
+        now["warnings"] = fingerprint(warnings)
+        # what did not change is not sent: the browser then re-renders neither
+        return (options if now.get("layers") != drawn.get("layers") else dash.no_update,
+                asked if asked != (layer or "") else dash.no_update, figures,
+                *(warning_children(warnings) if now["warnings"] != drawn.get("warnings")
+                  else [dash.no_update] * len(SECTIONS)), now)
 
 
-TAB = Tab("Instruments", VALUE, layout, register, stores=(DRAWN, SHOWN, FIGURES))
+def warning_children(warnings: list[list[str]] | str) -> list[list[Any]]:
+    """Each section's warnings as paragraphs (`section_warnings`), or an error message in
+    the first section."""
+    if isinstance(warnings, str):
+        return [[error_box(warnings)]] + [[] for _ in SECTIONS[1:]]
+    return [[html.P(line) for line in lines] for lines in warnings]
+
+
+def dashboard(rd: RunData, layer: str
+              ) -> tuple[dict[str, Figure], list[list[str]] | str, bool]:
+    """Every panel's figure ({chart id: figure}) and each section's warnings (its lines, or
+    why they could not be read) for one run and layer ("" = whole model), and whether a part
+    failed (its error shown in its place)."""
+    failed: list[str] = []
+
+    def failing(show: Any) -> Any:
+        def on_error(msg: str) -> Any:
+            failed.append(msg)
+            return show(msg)
+        return on_error
+    figures = {f"inst-{k}": contained(lambda p=p: render_panel(rd, p, layer),
+                                      failing(lambda msg, p=p: error_figure(msg, p.title,
+                                                                            p.height)), p.title)
+               for k, p in PANELS.items()}
+    warnings = contained(lambda: section_warnings(rd), failing(lambda msg: f"warnings: {msg}"),
+                         "warnings")
+    return figures, warnings, bool(failed)
+
+
+def cached_dashboard(rd: RunData, layer: str
+                     ) -> tuple[dict[str, Figure], list[list[str]] | str]:
+    """`dashboard(rd, layer)`'s figures and warnings, built once per run version: switching
+    back and forth between runs asks no query and builds no figure. An answer in which a
+    part failed is not kept (the next switch tries again)."""
+    figures, warnings, _ = rd.answer(f"instruments:{layer}", lambda: dashboard(rd, layer),
+                                     keep=lambda answer: not answer[2])
+    return figures, warnings
+
+
+TAB = Tab("Instruments", VALUE, layout, register, stores=(DRAWN, SHOWN, FIGURES, VIEW))
