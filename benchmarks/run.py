@@ -178,7 +178,7 @@ GROUPS: tuple[Group, ...] = (
         Entry(PLAIN, "plain:mlp:train"),
         Entry("deepscope first-order tests + α", "deepscope:mlp:tests-alpha",
               targets=(ratio_target(1.5),)),
-        *_instrument_entries("mlp", {"economy": 10, "business": 12, "full": 40}, 20),
+        *_instrument_entries("mlp", {"economy": 8, "business": 12, "full": 35}, 20),
     ), note="deepscope: `Scope(schedule=never, instruments=level, instrument_schedule="
        "every(1))`, `rec.loss(loss, per_sample=losses)`; first-order tests + α: "
        "`instruments=[\"NormTest\", \"InnerTest\", \"OrthoTest\", \"Alpha\"]`. "
