@@ -88,6 +88,16 @@ def test_kept_per_sample_gradients_are_not_held_twice() -> None:
     _check_against_loop(engine, model, x)
 
 
+def _gsnr_and_histogram_step(model: nn.Module, x: torch.Tensor) -> dict:
+    """One instrumented step of MeanGSNR and GradHist1d (fixed range); values by (name, layer)."""
+    inst = Instruments(model, ["MeanGSNR", "GradHist1d"], hist_range=(-0.5, 0.5))
+    inst.start(0, "train")
+    losses = model(x).square().flatten(1).mean(1)
+    inst.loss(losses.mean(), per_sample=losses)
+    losses.mean().backward()
+    return {(v.name, v.layer): v for v in inst.finish()}
+
+
 def test_histogram_is_counted_in_the_statistics_sweep_not_materialised_again(
         monkeypatch) -> None:
     # sequence layers: each layer's gᵢ are materialised by the second moments' sweep; the
@@ -103,12 +113,7 @@ def test_histogram_is_counted_in_the_statistics_sweep_not_materialised_again(
         return per_sample(self, lo, hi)
 
     monkeypatch.setattr(OuterProductGrads, "per_sample", counted)
-    inst = Instruments(model, ["MeanGSNR", "GradHist1d"], hist_range=(-0.5, 0.5))
-    inst.start(0, "train")
-    losses = model(x).square().flatten(1).mean(1)
-    inst.loss(losses.mean(), per_sample=losses)
-    losses.mean().backward()
-    values = {(v.name, v.layer): v for v in inst.finish()}
+    values = _gsnr_and_histogram_step(model, x)
     assert sweeps == [(0, 6), (0, 6)]  # each layer's gᵢ once
     ref = batch_reference(model, lambda m: m(x).square().flatten(1).mean(1))
     for layer, G in ref.layers().items():
@@ -126,11 +131,6 @@ def test_a_histogram_failing_in_the_sweep_spares_the_statistics(monkeypatch) -> 
         raise RuntimeError("counter broke")
 
     monkeypatch.setattr(GradHistogram, "add", broken)
-    inst = Instruments(model, ["MeanGSNR", "GradHist1d"], hist_range=(-0.5, 0.5))
-    inst.start(0, "train")
-    losses = model(x).square().flatten(1).mean(1)
-    inst.loss(losses.mean(), per_sample=losses)
-    losses.mean().backward()
-    values = {(v.name, v.layer): v for v in inst.finish()}
+    values = _gsnr_and_histogram_step(model, x)
     assert values[("MeanGSNR", "")].value is not None
     assert "counter broke" in values[("GradHist1d", "")].meta["reason"]
