@@ -17,25 +17,37 @@ from torch.profiler import ProfilerActivity, profile
 
 from deepscope.instruments.engine import PerSampleEngine
 from deepscope.instruments.histograms import GradHistogram
+from deepscope.instruments.rules.conv import ConvRule
 from deepscope.instruments.rules.linear import OuterProductGrads
+from deepscope.instruments.rules.norm import NormRule
 from deepscope.instruments.suite import Instruments
 
 from .reference import batch_reference, histogram_1d
 from .test_suite import assert_counts_match
 
 
-def peak_bytes(fn: Callable[[], object]) -> int:
-    """Peak CPU bytes torch allocated during fn() above what was allocated before it."""
+def _allocated(fn: Callable[[], object]) -> list[int]:
+    """CPU bytes torch had allocated above the start after each allocation during fn()."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     changes = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                      if e.name() == "[memory]"
                      and e.device_type() == torch.autograd.DeviceType.CPU)
-    current = peak = 0
+    current, curve = 0, [0]
     for _, delta in changes:
         current += delta
-        peak = max(peak, current)
-    return peak
+        curve.append(current)
+    return curve
+
+
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak CPU bytes torch allocated during fn() above what was allocated before it."""
+    return max(_allocated(fn))
+
+
+def held_bytes(fn: Callable[[], object]) -> int:
+    """CPU bytes torch allocated during fn() and still holds after it."""
+    return _allocated(fn)[-1]
 
 
 def _captured(model: nn.Module, x: torch.Tensor, chunk_size: int) -> PerSampleEngine:
@@ -134,3 +146,101 @@ def test_a_histogram_failing_in_the_sweep_spares_the_statistics(monkeypatch) -> 
     values = _gsnr_and_histogram_step(model, x)
     assert values[("MeanGSNR", "")].value is not None
     assert "counter broke" in values[("GradHist1d", "")].meta["reason"]
+
+
+class _ConvBN(nn.Module):
+    """Conv + BatchNorm at 16×16, whose captures outweigh their per-sample gradients; the
+    second conv is called twice (its gᵢ: the sum over its calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn1(self.conv1(x)))
+        return self.bn2(self.conv2(torch.tanh(self.conv2(h))))
+
+
+def _conv_bn(train: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    model = _ConvBN().double()
+    with torch.no_grad():  # running statistics with non-trivial values
+        for bn in (model.bn1, model.bn2):
+            bn.running_mean.uniform_(-1, 1)
+            bn.running_var.uniform_(0.5, 2)
+    return model.train(train)
+
+
+def test_captures_smaller_as_per_sample_gradients_are_freed_in_the_backward() -> None:
+    # BatchNorm: 2·C numbers per sample against its input and output gradient; a conv on
+    # 16×16: its kernel per sample against B·(C_in + C_out)·H·W; they were held until finish
+    model = _conv_bn()
+    x = torch.randn(8, 3, 16, 16, dtype=torch.float64)
+    engines: list[PerSampleEngine] = []
+    held = held_bytes(lambda: engines.append(_captured(model, x, chunk_size=32)))
+    captures = 8 * 16 * 16 * 8 * (3 + 4 + 4 + 4 + 2 * (4 + 4) + 4 + 4)  # inputs + grads
+    assert held < captures / 8, (held, captures)
+    engine = engines[0]
+    assert all(call.kept is not None for h in engine._hooked for call in h.calls)
+    _check_against_loop(engine, model, x)
+    _check_dots_against_loop(engine, model, x)
+
+
+def _check_dots_against_loop(engine: PerSampleEngine, model: nn.Module, x: torch.Tensor
+                             ) -> None:
+    ref = batch_reference(model, lambda m: m(x).square().flatten(1).mean(1))
+    vectors = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    dots = engine.dots(vectors)
+    for name, g in ref.grads.items():
+        np.testing.assert_allclose(dots[name].numpy(), g @ vectors[name].reshape(-1).numpy(),
+                                   rtol=1e-9, atol=1e-12)
+
+
+def test_per_sample_gradients_freed_in_each_micro_batchs_backward_are_exact() -> None:
+    model = _conv_bn()
+    x = torch.randn(8, 3, 16, 16, dtype=torch.float64)
+    engine = PerSampleEngine(model)
+    engine.start()
+    for part in x.split(4):  # gradient accumulation: two micro-batches of 4, loss / 2
+        losses = model(part).square().flatten(1).mean(1)
+        loss = losses.mean() / 2
+        engine.add_loss(loss, 8, losses)
+        loss.backward()
+    engine.stop()
+    assert engine.micro_batch_sizes == [4, 4]
+    assert all(call.kept is not None for h in engine._hooked for call in h.calls)
+    _check_against_loop(engine, model, x)
+    _check_dots_against_loop(engine, model, x)
+
+
+def test_a_failure_while_freeing_captures_leaves_them_for_finish(monkeypatch) -> None:
+    grads = NormRule.grads
+
+    def fails_in_backward(self: NormRule, calls: list, ctx: object) -> object:
+        if not torch.is_grad_enabled():  # inside the backward pass only
+            raise RuntimeError("broken")
+        return grads(self, calls, ctx)
+
+    monkeypatch.setattr(NormRule, "grads", fails_in_backward)
+    model = _conv_bn()
+    x = torch.randn(8, 3, 16, 16, dtype=torch.float64)
+    engine = _captured(model, x, chunk_size=32)
+    kept = {h.label: [c.kept is not None for c in h.calls] for h in engine._hooked}
+    assert kept["BatchNorm2d 'bn1'"] == [False] and kept["Conv2d 'conv1'"] == [True]
+    _check_against_loop(engine, model, x)
+
+
+def test_batchnorm_in_train_mode_gives_the_same_shares_freed_early(monkeypatch) -> None:
+    x = torch.randn(8, 3, 16, 16, dtype=torch.float64)
+    results = []
+    for early in (False, True):
+        monkeypatch.setattr(NormRule, "early", early)
+        monkeypatch.setattr(ConvRule, "early", early)
+        engine = _captured(_conv_bn(train=True), x, chunk_size=32)
+        assert all((call.kept is not None) == early for h in engine._hooked for call in h.calls)
+        results.append((engine.sq_norms(), engine.second_moments(), engine.grad_mean()))
+        assert any("train mode" in w for w in engine.warnings)
+    for late, early in zip(*results):
+        for name, value in late.items():
+            torch.testing.assert_close(early[name], value, rtol=1e-12, atol=1e-15)

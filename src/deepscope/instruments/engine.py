@@ -19,7 +19,10 @@ through the captured calls counts, as one batch.
 
 Forward hooks keep each call's inputs, tensor hooks on the outputs keep ∂L/∂output;
 per-module rules (`deepscope.instruments.rules`) turn them into statistics by closed
-forms (Linear, Conv, Embedding, norms) or by torch.func re-runs (everything else).
+forms (Linear, Conv, Embedding, norms) or by torch.func re-runs (everything else). A
+module whose per-sample gradients are smaller than those captures (norms, early convs: rules
+with `early`) gets them materialised in the registered loss's backward pass instead, and its
+captures dropped there.
 Notation: B batch size, gᵢ = ∇θ ℓᵢ (not divided by B), k a parameter tensor.
 """
 
@@ -44,6 +47,7 @@ from .rules.base import (
     Budget,
     Call,
     Context,
+    DenseGrads,
     ModuleGrads,
     Part,
     Rule,
@@ -310,7 +314,8 @@ class PerSampleEngine:
         if len(leaves) == 1 and leaves[0].dim() > 0 and leaves[0].shape[0] == 1:
             call.node = leaves[0].grad_fn  # may be broadcast over the batch: see add_loss
         for slot, j in enumerate(slots):
-            self._handles.append(leaves[j].register_hook(partial(self._on_grad, call, slot)))
+            hook = partial(self._on_grad, index, call, slot)
+            self._handles.append(leaves[j].register_hook(hook))
         hooked.calls.append(call)
         self._order.append((index, call))
         self._built = None
@@ -321,7 +326,7 @@ class PerSampleEngine:
         task = _graph_task()
         return next((m for m, micro in enumerate(self._micros) if micro.task == task), None)
 
-    def _on_grad(self, call: Call, slot: int, grad: Tensor) -> None:
+    def _on_grad(self, index: int, call: Call, slot: int, grad: Tensor) -> None:
         if hooks_paused():  # deepscope's own backward passes (curvature) are not the user's
             return
         if self._micros:
@@ -339,6 +344,35 @@ class PerSampleEngine:
         # several backward passes through one output add up, like .grad does
         previous = call.grads[slot]
         call.grads[slot] = grad if previous is None else previous + grad
+        if self._micros and not self._micros[call.micro].provisional:
+            self._materialise(index, call)
+
+    def _materialise(self, index: int, call: Call) -> None:
+        """Replace a call's captures by its per-sample gradients where those are smaller
+        (a BatchNorm's 2·C numbers per sample, an early conv's kernel): its registered
+        loss's plain backward pass delivers its output gradient once, so they are final.
+        Any failure leaves the captures for `_build`, which computes or explains them."""
+        rule = self._hooked[index].rule
+        if (not rule.early or len(call.grads) != 1 or call.node is not None
+                or call.error is not None
+                or [x._version for x in tensor_leaves((call.args, call.kwargs))]
+                != call.in_versions):
+            return
+        captured = sum(t.numel() * t.element_size()
+                       for t in tensor_leaves((call.args, call.kwargs, call.grads, call.outputs)))
+        try:
+            samples = rule.batch_size(call)
+            if samples * sum(p.numel() * p.element_size()
+                             for p in rule.params.values()) >= captured:
+                return
+            ctx = Context(samples, self._micro_scale(call.micro), self.chunk_size, Budget(0),
+                          partial(self._module_warn, self._hooked[index]))
+            with torch.no_grad():
+                kept = rule.grads([call], ctx).all_per_sample()
+        except Exception:  # never in the way of training: the captures stay
+            return
+        call.kept, call.samples = kept, samples
+        call.args, call.kwargs, call.outputs, call.grads = (), {}, [], [None]
 
     def _on_param_grad(self, name: str, grad: Tensor) -> None:
         if hooks_paused():
@@ -478,7 +512,8 @@ class PerSampleEngine:
         if self._effective is None:
             calls: dict[int, list[tuple[int, Call]]] = {}
             for index, call in self._order:
-                if any(g is not None for g in call.grads) or call.error is not None:
+                if (any(g is not None for g in call.grads) or call.error is not None
+                        or call.kept is not None):
                     micro = call.micro if self._micros else 0
                     if micro is not None:
                         calls.setdefault(micro, []).append((index, _expanded(call)))
@@ -500,7 +535,7 @@ class PerSampleEngine:
             counts: Counter[int] = Counter()
             for index, call in effective.get(micro, []):
                 with contextlib.suppress(Unsupported):
-                    counts[self._hooked[index].rule.batch_size(call)] += 1
+                    counts[self._samples(index, call)] += 1
             which = f" of loss {micro + 1} (micro-batch {micro + 1})" if self._micros else ""
             if not counts and not self._micros:
                 raise ValueError(
@@ -594,7 +629,7 @@ class PerSampleEngine:
                                 and len(sizes) == 1 else None)
                     ctx = Context(size, self._micro_scale(micro), self.chunk_size, budget, warn,
                                   counting)
-                    blocks.append((size, self._module_grads(hooked, calls, ctx)))
+                    blocks.append((size, self._module_grads(index, calls, ctx)))
                 if len(blocks) == 1:
                     built[index] = blocks[0][1]
                 else:
@@ -610,11 +645,18 @@ class PerSampleEngine:
         self.swept = {}
         return built
 
-    def _module_grads(self, hooked: _Hooked, calls: list[Call], ctx: Context) -> ModuleGrads:
+    def _samples(self, index: int, call: Call) -> int:
+        """A call's batch size (Unsupported: why it has none)."""
+        return call.samples if call.kept is not None else self._hooked[index].rule.batch_size(call)
+
+    def _module_grads(self, index: int, calls: list[Call], ctx: Context) -> ModuleGrads:
         """One module's statistics over one micro-batch's calls (Unsupported: why none)."""
+        hooked = self._hooked[index]
         for call in calls:
             if call.error is not None:
                 raise Unsupported(call.error)
+            if call.kept is not None:
+                continue
             current = [x._version for x in tensor_leaves((call.args, call.kwargs))]
             if current != call.in_versions:
                 ctx.warn(
@@ -622,7 +664,7 @@ class PerSampleEngine:
                     "op): its per-sample gradients use the modified values; avoid the "
                     "in-place op"
                 )
-        seen = sorted({hooked.rule.batch_size(c) for c in calls})
+        seen = sorted({self._samples(index, c) for c in calls})
         if seen != [ctx.batch_size]:
             broadcast = 1 in seen and ctx.batch_size > 1
             raise Unsupported(
@@ -632,7 +674,16 @@ class PerSampleEngine:
                    "to the loss, so it has no per-sample gradient" if broadcast else
                    " (the batch must be dim 0 of every module input)")
             )
-        return hooked.rule.grads(calls, ctx)
+        kept = [c.kept for c in calls if c.kept is not None]
+        if not kept:
+            return hooked.rule.grads(calls, ctx)
+        rest = [c for c in calls if c.kept is None]
+        # gᵢ of a module called several times is the sum over its calls
+        parts = kept + ([hooked.rule.grads(rest, ctx).all_per_sample()] if rest else [])
+        totals = parts[0]
+        for part in parts[1:]:
+            totals = {name: g + part[name] for name, g in totals.items()}
+        return DenseGrads(totals, ctx)
 
     def _module_warn(self, hooked: _Hooked, message: str) -> None:
         self._warn(f"{hooked.label}: {message}")

@@ -55,6 +55,10 @@ class Call:
     broadcast: for such an output added to a batched tensor, ∂L/∂(the broadcast result),
              (B, *output.shape[1:]), which is its per-sample gradient.
     error:   why this call has no per-sample gradients (set while capturing).
+    kept:    the call's per-sample gradients (module-local name -> (samples, *shape), scaled),
+             materialised when its output gradient arrived (rules with `early`); its inputs,
+             outputs and output gradients are then dropped.
+    samples: its batch size, when `kept` replaced the inputs it is read from.
     """
 
     args: tuple[Any, ...]
@@ -69,6 +73,8 @@ class Call:
     node: Any = None
     broadcast: Tensor | None = None
     error: str | None = None
+    kept: dict[str, Tensor] | None = None
+    samples: int | None = None
 
 
 @dataclass
@@ -460,9 +466,13 @@ class Rule:
       batch_dim0     the batch is dim 0 of every input and of the output: a call on inputs of
                      batch size 1 whose output is broadcast over the batch gets per-sample
                      gradients by expanding its size-1 inputs (see the engine).
+      early          `grads` of one call needs nothing known only after the backward pass:
+                     the engine may materialise a call's per-sample gradients when its output
+                     gradient arrives and drop the call's captures, where those are larger.
     """
 
     recursive: bool = False
+    early: bool = False
     keeps_outputs: bool = False
     batch_dim0: bool = True  # the batch is dim 0 of inputs and output (broadcasts are split)
 

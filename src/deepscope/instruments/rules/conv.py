@@ -90,6 +90,8 @@ def unfold(x: Tensor, module: nn.modules.conv._ConvNd) -> Tensor:
 class ConvRule(Rule):
     """nn.Conv1d / Conv2d / Conv3d (batched input (B, C, *spatial))."""
 
+    early = True
+
     def grads(self, calls: list[Call], ctx: Context) -> ModuleGrads:
         module = self.module
         n = len(module.kernel_size)

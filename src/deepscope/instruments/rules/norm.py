@@ -24,6 +24,8 @@ from .base import Call, Context, DenseGrads, ModuleGrads, Rule, Unsupported, fir
 class NormRule(Rule):
     """Per-sample gradients of γ / β for nn.LayerNorm, nn.RMSNorm, GroupNorm, BatchNorm*d."""
 
+    early = True
+
     def __init__(self, module: nn.Module, params: dict[str, nn.Parameter]) -> None:
         super().__init__(module, params)
         self._batch_norm = isinstance(module, nn.modules.batchnorm._BatchNorm)
