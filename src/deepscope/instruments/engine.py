@@ -76,6 +76,11 @@ def _detach(x: Tensor) -> Tensor:
     return x.detach()  # same storage and version counter: no copy, in-place edits visible
 
 
+def _edited(call: Call) -> bool:
+    """Whether an input of `call` was modified in place since its forward."""
+    return [x._version for x in tensor_leaves((call.args, call.kwargs))] != call.in_versions
+
+
 def _expanded(call: Call) -> Call:
     """A broadcast call as the batched call it stands for: inputs of batch size 1 expanded
     to the batch (views), the broadcast result's gradient as its output gradient."""
@@ -354,9 +359,7 @@ class PerSampleEngine:
         Any failure leaves the captures for `_build`, which computes or explains them."""
         rule = self._hooked[index].rule
         if (not rule.early or len(call.grads) != 1 or call.node is not None
-                or call.error is not None
-                or [x._version for x in tensor_leaves((call.args, call.kwargs))]
-                != call.in_versions):
+                or call.error is not None or _edited(call)):
             return
         captured = sum(t.numel() * t.element_size()
                        for t in tensor_leaves((call.args, call.kwargs, call.grads, call.outputs)))
@@ -657,8 +660,7 @@ class PerSampleEngine:
                 raise Unsupported(call.error)
             if call.kept is not None:
                 continue
-            current = [x._version for x in tensor_leaves((call.args, call.kwargs))]
-            if current != call.in_versions:
+            if _edited(call):
                 ctx.warn(
                     "an input was modified in place after its forward (e.g. by an in-place "
                     "op): its per-sample gradients use the modified values; avoid the "

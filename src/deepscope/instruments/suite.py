@@ -432,7 +432,7 @@ class Instruments:
         update: list[Tensor] | None = None
         if state.theta is not None:
             with torch.no_grad():
-                if not due & needing("snapshot") <= {"Alpha", "UpdateSize"}:  # θₜ read later
+                if due & needing("snapshot") - {"Alpha", "UpdateSize"}:  # θₜ read later
                     update = [p - t for p, t in zip(self._own_params(), state.theta)]
                 else:  # only dₜ = θₜ₊₁ − θₜ is read: made in θₜ's place
                     update = [torch.sub(p, t, out=t)

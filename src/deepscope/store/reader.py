@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import CorruptRunError
 from . import arrays, codecs, limits
 from .layout import check_run_id
-from .schema import DDL, OPTIONAL_TABLES, READABLE_VERSIONS, SCHEMA_VERSION
+from .schema import DDL, OPTIONAL_TABLES, READABLE_VERSIONS, SCHEMA_VERSION, is_readable
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 # Python's sqlite3 raises UnicodeDecodeError instead of DatabaseError when SQLite's message
@@ -110,7 +110,7 @@ def _check_store(con: sqlite3.Connection, path: Path) -> None:
     version = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
     if version is None:
         raise _corrupt(f"{path} has no schema version; it is not a deepscope store")
-    if version[0] not in [str(v) for v in READABLE_VERSIONS]:
+    if not is_readable(version[0]):
         older = version[0] in [str(v) for v in range(1, SCHEMA_VERSION)]
         fix = ("read it with the deepscope release that recorded it" if older
                else "upgrade deepscope to read newer runs")

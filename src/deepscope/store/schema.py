@@ -8,6 +8,8 @@ SCHEMA_VERSION = 3
 # Versions this deepscope reads, and resumes in their own layout. 3 differs from 2 only in
 # the primary key of `arrays` (step first); the columns, and so every query, are the same.
 READABLE_VERSIONS: tuple[int, ...] = (2, 3)
+
+
 APPLICATION_ID = 0x44534350  # "DSCP": marks the file as a deepscope store for `file(1)` and us
 
 SAMPLE_MAX_VALUES = 65536  # the stored full values of one batch item are cut to this many
@@ -93,3 +95,8 @@ CREATE TABLE IF NOT EXISTS local_quantities (
 # Tables added after their schema version was first released: older files of that version
 # lack them, so a reader checks them only where present and reads them as empty otherwise.
 OPTIONAL_TABLES: frozenset[str] = frozenset({"warnings", "local_quantities"})
+
+
+def is_readable(version: object) -> bool:
+    """Whether a stored `schema_version` value (a string) is one this deepscope reads."""
+    return version in [str(v) for v in READABLE_VERSIONS]

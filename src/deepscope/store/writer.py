@@ -38,7 +38,7 @@ from ..errors import RecordingError
 from ..records import InstrumentWarning, QuantityValue, StepPayload, StepSummary, TensorInfo
 from . import arrays, codecs
 from .layout import check_run_id, lock_file, parse_run_id, sidecar_run_id
-from .schema import APPLICATION_ID, DDL, READABLE_VERSIONS, SCHEMA_VERSION, STAT_COLUMNS
+from .schema import APPLICATION_ID, DDL, SCHEMA_VERSION, STAT_COLUMNS, is_readable
 
 try:
     import fcntl
@@ -318,7 +318,7 @@ class StoreWriter:
         version = str(SCHEMA_VERSION)
         if stored:
             version = stored.get("schema_version")
-            if version not in [str(v) for v in READABLE_VERSIONS]:
+            if not is_readable(version):
                 raise ValueError(
                     f"{self.path} has schema version {version}, this deepscope writes "
                     f"{SCHEMA_VERSION}; record into a new run name")
