@@ -26,8 +26,11 @@ CASES = {c.name: c for c in [
     M.ZooCase("lstm", M.LSTMLM, M._lm_batch, M._token_losses, "lstm", M.LSTM_BLOCK),
     M.ZooCase("encoder", M.Encoder, M._bert_batch, M._encoder_losses, "encoder.layers.0",
               M.ENCODER_BLOCK, train_steps=1, missing=NO_DOUBLE_BACKWARD),
+    # its convs' biases sit right before train-mode BatchNorms: their batch gradient cancels
+    # (~1e-17), and the gradient tests, which divide by it, are missing for those layers
     M.ZooCase("cnn_bn_dropout", M._cnn, M._image_batch, M._classify, "", M.CNN_GRAPH,
-              train_steps=1),
+              train_steps=1, missing={t: "round-off" for t in
+                                      ("NormTest", "InnerTest", "OrthoTest")}),
     # bfloat16 keeps 8 significant bits: its per-sample gradients differ from float64's
     # by a few 1e-3, so this case alone is checked at 5e-2.
     M.ZooCase("bf16", M._mlp, M._vector_batch, M._classify, "", M.MLP_GRAPH,

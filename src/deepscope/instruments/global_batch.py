@@ -39,7 +39,7 @@ from .histograms import EXTRAS, histogram_of_table, symmetric_bins
 from .histograms.per_step import histogram_counters, histogram_values, local_abs_max
 from .quantities import inner_test_of_sums, ortho_test_of_sums, with_total
 from .quantities.norms import squared_norms
-from .step import ZERO_MEAN, StepState, missing, rows
+from .step import ZERO_MEAN, StepState, missing, rows, zero_mean
 
 if TYPE_CHECKING:
     from .batch import Batch
@@ -550,7 +550,8 @@ class GlobalStep:
             sums, squares = dots
             value = (inner_test_of_sums(sums, squares, N, B) if item == "InnerTest" else
                      ortho_test_of_sums(with_total(gbatch.sq_norm_sums), squares, N, B))
-            return rows(item, step, self.names, value, {}, N == 0, ZERO_MEAN,
+            undefined = zero_mean(N, with_total(gbatch.sq_norm_sums), B, self.inst.grad_eps())
+            return rows(item, step, self.names, value, {}, undefined, ZERO_MEAN,
                         gbatch.unavailable())
         whole = dataclasses.replace(state, loss=loss[0].clone(), curvature=curvature)
         return self.compute[item](self.inst, item, whole, gbatch, self.update)

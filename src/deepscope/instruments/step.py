@@ -75,7 +75,19 @@ class StepState:
         return time.perf_counter() - wall
 
 
-ZERO_MEAN = "the mean gradient ḡ is exactly zero"
+ZERO_MEAN = ("the mean gradient ḡ is zero up to round-off (e.g. a bias right before a "
+             "BatchNorm in train mode, whose batch gradient cancels): the test divides by it")
+ROUNDOFF = 16  # ‖ḡ‖ within this many ulps of the per-sample gradients' rms norm counts as 0
+
+
+def zero_mean(grad_sq_norms: Tensor, sq_norm_sums: Tensor, batch_size: int, eps: float
+              ) -> Tensor:
+    """Rows (R,) whose N = ‖ḡ‖² is zero or round-off: N ≤ (ROUNDOFF·eps)² · S/B with
+    S = Σᵢ‖gᵢ‖² (S/B the per-sample gradients' mean squared norm) and eps the gradients'
+    machine epsilon. A batch gradient that cancels exactly in theory comes out ~1e-17 in
+    float64, and a gradient test divided by it would read 1e15 — plausible-looking noise."""
+    floor = (ROUNDOFF * eps) ** 2 * sq_norm_sums.double() / batch_size
+    return grad_sq_norms.double() <= floor
 
 
 def missing(name: str, step: int, reason: str, layer: str = TOTAL) -> QuantityValue:

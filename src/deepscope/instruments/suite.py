@@ -72,7 +72,7 @@ from .quantities.curvature_runner import CurvatureRunner
 from .quantities.curvature_runner import hvp_seconds as _hvp_seconds
 from .sharded import ShardedStep, shard_squares
 from .sharding import fsdp2_model, local_shards
-from .step import ZERO_MEAN, StepState, missing, reduce_loss, rows
+from .step import ZERO_MEAN, StepState, missing, reduce_loss, rows, zero_mean
 
 Schedule = Callable[[int, str], bool]
 # A quantity's compute function: (the suite, the quantity's name, the step, the engine's
@@ -279,6 +279,11 @@ class Instruments:
                 location, message = match.groups() if match else ("", text)
                 out.append(InstrumentWarning(step, location, affected, message))
         return out
+
+    def grad_eps(self) -> float:
+        """Machine epsilon of the least precise floating parameter (its gradients')."""
+        return max((torch.finfo(p.dtype).eps for p in self._params.values()
+                    if p.is_floating_point()), default=torch.finfo(torch.float32).eps)
 
     def _own_params(self) -> list[Tensor]:
         """The parameters' values on this rank, detached: FSDP2's local shards."""
@@ -630,8 +635,9 @@ _TESTS: dict[str, Callable[[Batch, Tensor, int], Tensor]] = {
 def _gradient_test(inst: Instruments, name: str, state: StepState, batch: Batch | None,
                    update: list[Tensor] | None) -> list[QuantityValue]:
     B, N = _batch_size(name, batch), with_total(batch.grad_sq_norms)
+    undefined = zero_mean(N, with_total(batch.sq_norm_sums), B, inst.grad_eps())
     return _engine_rows(inst, name, state, batch, _TESTS[name](batch, N, B),
-                        undefined=N == 0, reason=ZERO_MEAN)
+                        undefined=undefined, reason=ZERO_MEAN)
 
 
 @computes("MeanGSNR")
