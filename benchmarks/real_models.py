@@ -19,11 +19,12 @@ memory layout is the same), with SGD. Configurations:
   economy / business / full   `Scope(schedule=never, instruments=level,
             instrument_schedule=every(1))`, `rec.loss(loss, per_sample=losses)`.
 In each round every configuration runs `--block` steps (order rotating between rounds); a
-configuration's ratio is its median step over plain's median step of the same round. Steps
-are timed in CPU seconds of this process (`time.process_time`, all its threads: deepscope's
-writer too), which other processes on a shared machine disturb far less than wall time
-(torch runs on one thread, so on an idle machine the two agree). Prints
-one JSON line: {"group", "rows": [{"label", "ms", "ratios", "floor_ratios"}], "memory"}.
+configuration's ratio is its mean step over plain's mean step of the same round (the mean: a
+quantity computed on every k-th instrumented step only is paid on average; take a block that
+is a multiple of k). Steps are timed in CPU seconds of this process (`time.process_time`,
+all its threads: deepscope's writer too), which other processes on a shared machine disturb
+far less than wall time (torch runs on one thread, so on an idle machine the two agree).
+Prints one JSON line: {"group", "rows": [{"label", "ms", "ratios", "floor_ratios"}], "memory"}.
 The memory entry: peak bytes allocated above the start of one step (torch profiler, CPU), of
 plain training and of each instrumented step (including `finish`), and the bytes of the
 largest module's per-sample gradients (B × its parameters).
@@ -247,7 +248,7 @@ def measure(name: str, repeats: int, block: int, warmup: int, configs: tuple[str
             else:
                 steps[config], close = _scoped(twin, losses_of, config, Path(root))
                 closers.append(close)
-        times: dict[str, list[float]] = {c: [] for c in configs}  # per round: median s/step
+        times: dict[str, list[float]] = {c: [] for c in configs}  # per round: mean s/step
         order = list(configs)
         done = 0
         with warnings.catch_warnings():
@@ -264,7 +265,7 @@ def measure(name: str, repeats: int, block: int, warmup: int, configs: tuple[str
                         steps[c](x, y)
                         spent.append(time.process_time() - start)
                         done += 1
-                    times[c].append(statistics.median(spent))
+                    times[c].append(statistics.fmean(spent))
                 order = order[1:] + order[:1]
             mem = {}
             if memory:
