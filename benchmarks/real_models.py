@@ -10,6 +10,8 @@ Models (realistic small sizes, random weights, nothing downloaded):
         32×32 images, B=32; BatchNorm in eval mode (per-sample gradients exist only then).
   lstm  an LSTM language model: Embedding(2048, 128), LSTM(128, 256), Linear(256, 2048),
         T=64, B=16.
+  mlp   workload.py's MLP 784-256-256-10 on random inputs, B=128 (its instruments group
+        measures it in steps of 10; here in this script's turns).
 Every configuration trains its own copy of the model that shares the parameter tensors (so
 memory layout is the same), with SGD. Configurations:
   plain     forward, per-sample losses, mean, backward, SGD step;
@@ -45,7 +47,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
-from workload import _sharing_parameters  # this folder is on sys.path when run
+from workload import _sharing_parameters, build_model  # this folder is on sys.path when run
 
 import deepscope
 
@@ -130,6 +132,10 @@ def _tokens(batch: int, gen: torch.Generator) -> Batch:
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
+def _vectors(batch: int, gen: torch.Generator) -> Batch:
+    return torch.randn(batch, 784, generator=gen), torch.randint(10, (batch,), generator=gen)
+
+
 def _images(batch: int, gen: torch.Generator) -> Batch:
     side = 32 // SHRINK
     return (torch.randn(batch, 3, side, side, generator=gen),
@@ -143,6 +149,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], int, Callable, LossFn, str]] = 
     "cnn": (_cnn, 32, _images, _classify, "ResNet-style CNN (16-32-64), 32×32, B=32"),
     "lstm": (LSTMLM, 16, _tokens, _next_token,
              "LSTM LM (Embedding 2048×128, LSTM 128→256, Linear 256→2048), T=64, B=16"),
+    "mlp": (lambda: build_model("mlp"), 128, _vectors, _classify,
+            "MLP 784-256-256-10 (workload.py's), B=128"),
 }
 
 
