@@ -243,7 +243,9 @@ def measure(name: str, repeats: int, block: int, warmup: int, configs: tuple[str
     if name == "cnn":
         model.eval()  # BatchNorm with running statistics: per-sample gradients exist
     gen = torch.Generator().manual_seed(1)
-    batches = [make(batch, gen) for _ in range(4)]
+    # 5 batches: a quantity on every k-th step (k = 2, 3, 4) meets a different one each
+    # time, as in training (with 4, HessMaxEV every 4th step saw the same batch again)
+    batches = [make(batch, gen) for _ in range(5)]
     closers = []
     with tempfile.TemporaryDirectory(prefix="deepscope-real-") as root:
         steps: dict[str, StepFn] = {}
