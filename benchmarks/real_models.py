@@ -11,7 +11,7 @@ Models (realistic small sizes, random weights, nothing downloaded):
   lstm  an LSTM language model: Embedding(2048, 128), LSTM(128, 256), Linear(256, 2048),
         T=64, B=16.
   mlp   workload.py's MLP 784-256-256-10 on random inputs, B=128 (its instruments group
-        measures it in steps of 10; here in this script's turns).
+        measures it in steps of 10; here in this script's turns, e.g. with --max-ev-every).
 Every configuration trains its own copy of the model that shares the parameter tensors (so
 memory layout is the same), with SGD. Configurations:
   plain     forward, per-sample losses, mean, backward, SGD step;
@@ -190,10 +190,12 @@ def _floor(model: nn.Module, losses_of: LossFn) -> StepFn:
     return step
 
 
-def _scoped(model: nn.Module, losses_of: LossFn, level: str, root: Path) -> tuple[StepFn, Callable]:
+def _scoped(model: nn.Module, losses_of: LossFn, level: str, root: Path,
+            options: dict | None = None) -> tuple[StepFn, Callable]:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scope = deepscope.Scope(root, run=level, overwrite=True, schedule=deepscope.never,
-                            instruments=level, instrument_schedule=deepscope.every(1))
+                            instruments=level, instrument_schedule=deepscope.every(1),
+                            instrument_options=options)
     scope.watch(model, optimizer=opt)
     done = [0]
 
@@ -235,7 +237,7 @@ def largest_module_grads(model: nn.Module, batch: int) -> int:
 
 # -- measuring -------------------------------------------------------------------------------
 def measure(name: str, repeats: int, block: int, warmup: int, configs: tuple[str, ...],
-            memory: bool) -> dict:
+            memory: bool, options: dict | None = None) -> dict:
     build, batch, make, losses_of, title = MODELS[name]
     batch //= SHRINK
     torch.manual_seed(0)
@@ -256,7 +258,7 @@ def measure(name: str, repeats: int, block: int, warmup: int, configs: tuple[str
             elif config == "floor":
                 steps[config] = _floor(twin, losses_of)
             else:
-                steps[config], close = _scoped(twin, losses_of, config, Path(root))
+                steps[config], close = _scoped(twin, losses_of, config, Path(root), options)
                 closers.append(close)
         times: dict[str, list[float]] = {c: [] for c in configs}  # per round: mean s/step
         order = list(configs)
@@ -304,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per config")
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument("--no-memory", action="store_true", help="skip the memory step")
+    parser.add_argument("--max-ev-every", type=int, default=None,
+                        help="HessMaxEV's cadence (instrument_options max_ev_every; default: "
+                             "the configuration's)")
     parser.add_argument("--quick", action="store_true",
                         help="harness check: tiny models, 1 round of 1 step, no memory")
     args = parser.parse_args(argv)
@@ -313,8 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     use_sizes(args.quick)
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
+    options = {} if args.max_ev_every is None else {"max_ev_every": args.max_ev_every}
     result = measure(args.model, args.repeats, args.block, args.warmup, configs,
-                     not args.no_memory)
+                     not args.no_memory, options)
+    result["options"] = options
     print(json.dumps(result), flush=True)
     return 0
 
