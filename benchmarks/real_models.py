@@ -10,6 +10,8 @@ Models (realistic small sizes, random weights, nothing downloaded):
         32×32 images, B=32; BatchNorm in eval mode (per-sample gradients exist only then).
   lstm  an LSTM language model: Embedding(2048, 128), LSTM(128, 256), Linear(256, 2048),
         T=64, B=16.
+  mlp   workload.py's MLP 784-256-256-10 on random inputs, B=128 (its instruments group
+        measures it in steps of 10; here in this script's turns, e.g. with --max-ev-every).
 Every configuration trains its own copy of the model that shares the parameter tensors (so
 memory layout is the same), with SGD. Configurations:
   plain     forward, per-sample losses, mean, backward, SGD step;
@@ -19,11 +21,12 @@ memory layout is the same), with SGD. Configurations:
   economy / business / full   `Scope(schedule=never, instruments=level,
             instrument_schedule=every(1))`, `rec.loss(loss, per_sample=losses)`.
 In each round every configuration runs `--block` steps (order rotating between rounds); a
-configuration's ratio is its median step over plain's median step of the same round. Steps
-are timed in CPU seconds of this process (`time.process_time`, all its threads: deepscope's
-writer too), which other processes on a shared machine disturb far less than wall time
-(torch runs on one thread, so on an idle machine the two agree). Prints
-one JSON line: {"group", "rows": [{"label", "ms", "ratios", "floor_ratios"}], "memory"}.
+configuration's ratio is its mean step over plain's mean step of the same round (the mean: a
+quantity computed on every k-th instrumented step only is paid on average; take a block that
+is a multiple of k). Steps are timed in CPU seconds of this process (`time.process_time`,
+all its threads: deepscope's writer too), which other processes on a shared machine disturb
+far less than wall time (torch runs on one thread, so on an idle machine the two agree).
+Prints one JSON line: {"group", "rows": [{"label", "ms", "ratios", "floor_ratios"}], "memory"}.
 The memory entry: peak bytes allocated above the start of one step (torch profiler, CPU), of
 plain training and of each instrumented step (including `finish`), and the bytes of the
 largest module's per-sample gradients (B × its parameters).
@@ -44,7 +47,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
-from workload import _sharing_parameters  # this folder is on sys.path when run
+from workload import _sharing_parameters, build_model  # this folder is on sys.path when run
 
 import deepscope
 
@@ -129,6 +132,10 @@ def _tokens(batch: int, gen: torch.Generator) -> Batch:
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
+def _vectors(batch: int, gen: torch.Generator) -> Batch:
+    return torch.randn(batch, 784, generator=gen), torch.randint(10, (batch,), generator=gen)
+
+
 def _images(batch: int, gen: torch.Generator) -> Batch:
     side = 32 // SHRINK
     return (torch.randn(batch, 3, side, side, generator=gen),
@@ -142,6 +149,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], int, Callable, LossFn, str]] = 
     "cnn": (_cnn, 32, _images, _classify, "ResNet-style CNN (16-32-64), 32×32, B=32"),
     "lstm": (LSTMLM, 16, _tokens, _next_token,
              "LSTM LM (Embedding 2048×128, LSTM 128→256, Linear 256→2048), T=64, B=16"),
+    "mlp": (lambda: build_model("mlp"), 128, _vectors, _classify,
+            "MLP 784-256-256-10 (workload.py's), B=128"),
 }
 
 
@@ -181,10 +190,12 @@ def _floor(model: nn.Module, losses_of: LossFn) -> StepFn:
     return step
 
 
-def _scoped(model: nn.Module, losses_of: LossFn, level: str, root: Path) -> tuple[StepFn, Callable]:
+def _scoped(model: nn.Module, losses_of: LossFn, level: str, root: Path,
+            options: dict | None = None) -> tuple[StepFn, Callable]:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scope = deepscope.Scope(root, run=level, overwrite=True, schedule=deepscope.never,
-                            instruments=level, instrument_schedule=deepscope.every(1))
+                            instruments=level, instrument_schedule=deepscope.every(1),
+                            instrument_options=options)
     scope.watch(model, optimizer=opt)
     done = [0]
 
@@ -226,7 +237,7 @@ def largest_module_grads(model: nn.Module, batch: int) -> int:
 
 # -- measuring -------------------------------------------------------------------------------
 def measure(name: str, repeats: int, block: int, warmup: int, configs: tuple[str, ...],
-            memory: bool) -> dict:
+            memory: bool, options: dict | None = None) -> dict:
     build, batch, make, losses_of, title = MODELS[name]
     batch //= SHRINK
     torch.manual_seed(0)
@@ -234,7 +245,9 @@ def measure(name: str, repeats: int, block: int, warmup: int, configs: tuple[str
     if name == "cnn":
         model.eval()  # BatchNorm with running statistics: per-sample gradients exist
     gen = torch.Generator().manual_seed(1)
-    batches = [make(batch, gen) for _ in range(4)]
+    # 5 batches: a quantity on every k-th step (k = 2, 3, 4) meets a different one each
+    # time, as in training (with 4, HessMaxEV every 4th step saw the same batch again)
+    batches = [make(batch, gen) for _ in range(5)]
     closers = []
     with tempfile.TemporaryDirectory(prefix="deepscope-real-") as root:
         steps: dict[str, StepFn] = {}
@@ -245,9 +258,9 @@ def measure(name: str, repeats: int, block: int, warmup: int, configs: tuple[str
             elif config == "floor":
                 steps[config] = _floor(twin, losses_of)
             else:
-                steps[config], close = _scoped(twin, losses_of, config, Path(root))
+                steps[config], close = _scoped(twin, losses_of, config, Path(root), options)
                 closers.append(close)
-        times: dict[str, list[float]] = {c: [] for c in configs}  # per round: median s/step
+        times: dict[str, list[float]] = {c: [] for c in configs}  # per round: mean s/step
         order = list(configs)
         done = 0
         with warnings.catch_warnings():
@@ -264,7 +277,7 @@ def measure(name: str, repeats: int, block: int, warmup: int, configs: tuple[str
                         steps[c](x, y)
                         spent.append(time.process_time() - start)
                         done += 1
-                    times[c].append(statistics.median(spent))
+                    times[c].append(statistics.fmean(spent))
                 order = order[1:] + order[:1]
             mem = {}
             if memory:
@@ -293,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per config")
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument("--no-memory", action="store_true", help="skip the memory step")
+    parser.add_argument("--max-ev-every", type=int, default=None,
+                        help="HessMaxEV's cadence (instrument_options max_ev_every; default: "
+                             "the configuration's)")
     parser.add_argument("--quick", action="store_true",
                         help="harness check: tiny models, 1 round of 1 step, no memory")
     args = parser.parse_args(argv)
@@ -302,8 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     use_sizes(args.quick)
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
+    options = {} if args.max_ev_every is None else {"max_ev_every": args.max_ev_every}
     result = measure(args.model, args.repeats, args.block, args.warmup, configs,
-                     not args.no_memory)
+                     not args.no_memory, options)
+    result["options"] = options
     print(json.dumps(result), flush=True)
     return 0
 

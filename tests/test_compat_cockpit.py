@@ -107,7 +107,8 @@ def run_native(path) -> deepscope.Run:
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     scope = deepscope.Scope(path, "native", schedule=deepscope.never, instruments="full",
                             instrument_schedule=deepscope.every(1), anomalies=False,
-                            instrument_options=COCKPIT_HIST2D)
+                            # Cockpit's full computes HessMaxEV at every step
+                            instrument_options={**COCKPIT_HIST2D, "max_ev_every": 1})
     scope.watch(model, optimizer=opt)
     for step, (inputs, labels) in enumerate(synthetic_fmnist()[:STEPS]):
         with scope.step(step) as rec:

@@ -224,6 +224,12 @@ CONFIGURATIONS: dict[str, frozenset[str]] = {
     "business": BUSINESS,
     "full": FULL,
 }
+# HessMaxEV's cadence by configuration: computed at the first step its schedule picks, then
+# at every k-th one, not at the others (never a stale value). Its Lanczos (up to
+# lanczos_iter HVPs, each 2-4 training steps on a CPU) is most of full's cost; k here
+# keeps full within 25× a plain step on the CPU benchmarks. Restore every step with
+# instrument_options={"max_ev_every": 1}.
+MAX_EV_EVERY: dict[str, int] = {"full": 4}
 
 
 def _valid_names_text() -> str:

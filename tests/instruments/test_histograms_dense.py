@@ -92,3 +92,30 @@ def test_2d_counts_equal_numpy_and_every_pair_is_counted_once() -> None:
 def test_2d_rejects_mismatched_shapes() -> None:
     with pytest.raises(ValueError, match=r"grads must have shape \(B, \*\(3,\)\)"):
         histogram_2d(torch.zeros(3), torch.zeros(2, 4), Bins(4, -1, 1), Bins(4, -1, 1))
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 20])
+def test_2d_counts_added_sample_by_sample_equal_numpy(monkeypatch, chunk: int) -> None:
+    """GradHist2d fed one sample per part (a big layer's per-sample gradients), with parts
+    of another dtype in between (another axis) and outer values in some rows only: the
+    sign counts tallied per column over the parts and folded once equal numpy's."""
+    from deepscope.instruments.histograms import GradHistogram
+
+    monkeypatch.setitem(D._CHUNK_ELEMENTS, "cpu", chunk)
+    gen = torch.Generator().manual_seed(8)
+    theta = torch.rand(6, 9, generator=gen, dtype=torch.float64) * 2.4 - 1.2
+    px, gy = Bins(40, -1.0, 1.0), Bins(50, -2.0, 2.0)
+    g = torch.randn(11, 6, 9, generator=gen, dtype=torch.float64) * 0.01
+    g[3, 0, :4] = torch.tensor([3.0, -0.5, 0.0, math.nan])
+    g[7] = torch.randn(6, 9, generator=gen, dtype=torch.float64)  # a row of outer values
+    hist = GradHistogram(gy, theta, px)
+    for i in range(g.shape[0]):
+        hist.add(g[i:i + 1].float() if i in (5, 6) else g[i:i + 1])
+    counted = g.clone()
+    counted[5:7] = g[5:7].float().double()
+    G, T = counted.reshape(11, -1).numpy(), theta.reshape(-1).numpy()
+    result = hist.result()
+    np.testing.assert_array_equal(result.counts,
+                                  R.histogram_2d(T, G, (40, 50), ((-1, 1), (-2, 2))))
+    assert result.counts.sum() + sum(result.extras.values()) == G.size
+    assert hist.table() is hist.table()  # folded once: a second table adds nothing

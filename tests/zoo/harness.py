@@ -28,7 +28,10 @@ from .models import Batch, ZooCase
 
 LR = 0.05
 STEPS = 2
-CURVATURE = {"curvature": "hutchinson", "hutchinson_samples": 1, "lanczos_iter": 3}
+# max_ev_every 1: HessMaxEV at every step (full's cadence would skip it at some), as the
+# zoo checks every quantity at every step
+CURVATURE = {"curvature": "hutchinson", "hutchinson_samples": 1, "lanczos_iter": 3,
+             "max_ev_every": 1}
 HIST = (100, -2.0, 2.0)  # the suite's default GradHist1d bins
 # The suite's per-sample quantities and their float64 definitions (QUANTITIES.md).
 PER_SAMPLE = {"GradNorm": R.grad_norm, "NormTest": R.norm_test, "InnerTest": R.inner_test,

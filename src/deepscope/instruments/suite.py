@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..catalogue import needing, spec
+from ..catalogue import MAX_EV_EVERY, needing, spec
 from ..distributed import Reducer
 from ..naming import ModelNames
 from . import alpha
@@ -144,6 +144,10 @@ class Instruments:
             are in each value's meta["choice"].
         hutchinson_samples: Rademacher probes (HVPs) per step for a Hutchinson diagonal.
         lanczos_iter: Lanczos iterations (HVPs) per step for HessMaxEV.
+        max_ev_every: HessMaxEV at the first step its schedule picks, then at every k-th one
+            it picks (not computed, so not stored, at the others; its values' meta["every"]
+            says k when k > 1). None: the configuration's (`catalogue.MAX_EV_EVERY`: 4 for
+            "full"), 1 for a list of names. 1: every step its schedule picks.
         hist2d_per_layer: also store GradHist2d per parameter tensor (40×50 counts each).
         hist2d_bins, hist2d_range: GradHist2d bins of the (θ, gᵢ) axes and their (lo, hi)
             ranges; default 40 on (−1, 1) for θ, 50 on (−2, 2) for gᵢ.
@@ -174,6 +178,7 @@ class Instruments:
         *,
         hutchinson_samples: int = HUTCHINSON_SAMPLES,
         lanczos_iter: int = LANCZOS_ITER,
+        max_ev_every: int | None = None,
         hist2d_per_layer: bool = False,
         hist2d_bins: tuple[int, int] = HIST2D_BINS,
         hist2d_range: tuple[tuple[float, float], tuple[float, float]] = HIST2D_RANGE,
@@ -213,14 +218,20 @@ class Instruments:
             hist_bins, hist_range, hist2d_bins, hist2d_range, hist2d_per_layer)
         self.hist_bins = hist_bins
         self.hist2d_per_layer = self._histograms.per_layer_2d
+        if max_ev_every is None:
+            max_ev_every = (MAX_EV_EVERY.get(quantities.lower(), 1)
+                            if isinstance(quantities, str) else 1)
         for label, value, least in (("seed", seed, 0), ("lanczos_iter", lanczos_iter, 1),
-                                    ("hutchinson_samples", hutchinson_samples, 1)):
+                                    ("hutchinson_samples", hutchinson_samples, 1),
+                                    ("max_ev_every", max_ev_every, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{label} must be an int >= {least}, got {value!r}")
         self.seed = seed
         self.curvature = check_curvature_mode(curvature)
         self.hutchinson_samples = hutchinson_samples
         self.lanczos_iter = lanczos_iter
+        self.max_ev_every = max_ev_every
+        self._max_ev_picked = 0  # steps HessMaxEV's schedule picked so far (its cadence)
         self._curvature = CurvatureRunner(
             self.curvature, hutchinson_samples, lanczos_iter, seed,
             warn=lambda message: self._warn(message, needing("diagonal")),
@@ -309,6 +320,10 @@ class Instruments:
             self.abort()
         started_at = (time.perf_counter(), time.thread_time())
         due = self._due_at(step, kind)
+        if "HessMaxEV" in due:  # its cadence: the first step picked, then every k-th
+            self._max_ev_picked += 1
+            if (self._max_ev_picked - 1) % self.max_ev_every:
+                due -= {"HessMaxEV"}
         alpha_end, self._pending = self._pending, None
         self._state = state = StepState(step, due, alpha_end, started_at)
         params = self._own_params()
@@ -565,6 +580,8 @@ def _update_size(inst: Instruments, name: str, state: StepState, batch: Batch | 
 def _hess_max_ev(inst: Instruments, name: str, state: StepState, batch: Batch | None,
                  update: list[Tensor] | None) -> list[QuantityValue]:
     value, meta = state.curvature["max_ev"]
+    if inst.max_ev_every > 1:
+        meta = {**meta, "every": inst.max_ev_every}
     return [QuantityValue(name, state.step, value=value, meta=meta)]
 
 

@@ -34,7 +34,7 @@ from .bins import (
     _work_dtype,
     symmetric_bins,
 )
-from .dense import _flat_rows, _grouped_counts, _materialised
+from .dense import ColumnSigns, _flat_rows, _grouped_counts, _materialised
 from .rank_one import _rank_one_1d, _rank_one_2d
 
 __all__ = ["EXTRAS", "Bins", "GradHistogram", "Histogram", "RankOne", "finite_abs_max",
@@ -61,6 +61,8 @@ class GradHistogram:
         self.param_bins = param_bins
         self._counts: Tensor | None = None
         self._groups: Tensor | None = None
+        # GradHist2d: the values counted by sign, per column, until `table` folds them
+        self._tally: ColumnSigns | None = None
 
     def add(self, part: Part) -> None:
         """Count one part: a (b, *params.shape) tensor or a `RankOne` (any float dtype).
@@ -83,8 +85,11 @@ class GradHistogram:
             counts = (_rank_one_1d(part, axis) if groups is None
                       else _rank_one_2d(part, axis, groups, n_groups))
         if counts is None:
+            if groups is not None and (self._tally is None or self._tally.axis is not axis):
+                self._fold()  # (a part of another dtype: another axis)
+                self._tally = ColumnSigns(axis, groups, n_groups)
             for chunk in _materialised(part):
-                more = _grouped_counts(_flat_rows(chunk), axis, groups, n_groups)
+                more = _grouped_counts(_flat_rows(chunk), axis, groups, n_groups, self._tally)
                 counts = more if counts is None else counts + more
         if counts is not None:
             self._counts = counts if self._counts is None else self._counts + counts
@@ -111,7 +116,15 @@ class GradHistogram:
         """
         if self._counts is None:
             raise ValueError("no per-sample gradients were added to the histogram")
+        self._fold()
         return self._counts
+
+    def _fold(self) -> None:
+        """Fold the tallied sign counts (GradHist2d) into the counts."""
+        if self._tally is not None:
+            assert self._counts is not None  # the tally's part was counted into it
+            self._counts = self._counts + self._tally.fold()
+            self._tally = None
 
     def result(self) -> Histogram:
         """The counts so far (one transfer to the host).

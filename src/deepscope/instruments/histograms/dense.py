@@ -56,12 +56,53 @@ def _outer_positions(flat: Tensor, low: float, high: float, has_nan: bool) -> Te
     return torch.cat([found, scan(flat[n_blocks * _BLOCK :]) + n_blocks * _BLOCK])
 
 
+class ColumnSigns:
+    """Per-column tallies (D,) of the values a grouped count classes by sign alone, kept
+    over every chunk and part of one tensor and folded into the column groups once
+    (`fold`): parts of one sample each (a big layer's per-sample gradients) paid the fold,
+    an index_add over D, once per sample, more than their counting.
+
+    Args:
+        axis: the gradient axis the values were screened on; groups: (D,) each column's
+            group in [0, n_groups) (on the gradients' device).
+    Attributes:
+        signed, nonzero: float64 (D,) Σ sign and Σ |sign| of those values (exact integers).
+        rows: rows counted by sign; outer: the columns of the values classed individually
+            in those rows (one entry per value).
+    """
+
+    def __init__(self, axis: _Axis, groups: Tensor, n_groups: int) -> None:
+        self.axis, self.groups, self.n_groups = axis, groups, n_groups
+        self.signed = torch.zeros(groups.numel(), dtype=torch.float64, device=groups.device)
+        self.nonzero = torch.zeros_like(self.signed)
+        self.rows = 0
+        self.outer: list[Tensor] = []
+
+    def fold(self) -> Tensor:
+        """The tallies as (n_groups, bins + 5) float64 counts in the sign classes."""
+        device = self.signed.device
+        columns = (torch.cat(self.outer) if self.outer
+                   else torch.zeros(0, dtype=torch.long, device=device))
+        inner = self.rows - torch.bincount(columns, minlength=self.signed.numel()).double()
+        s, a, total = torch.zeros(3, self.n_groups, dtype=torch.float64,
+                                  device=device).index_add_(
+            1, self.groups, torch.stack([self.signed, self.nonzero, inner]))
+        counts = torch.zeros(self.n_groups, self.axis.bins.count + len(EXTRAS),
+                             dtype=torch.float64, device=device)
+        _add_sign_classes(counts, self.axis, s, a, total)
+        return counts
+
+
 def _grouped_counts(
-    grads: Tensor, axis: _Axis, groups: Tensor | None, n_groups: int
+    grads: Tensor, axis: _Axis, groups: Tensor | None, n_groups: int,
+    tally: ColumnSigns | None = None,
 ) -> Tensor:
     """Class counts of every element of `grads` (rows, D), per group of columns.
 
     groups: (D,) group index of each column in [0, n_groups), or None for one group.
+    tally: with groups, where the values classed by sign alone are tallied (of the same
+        axis and groups), folded into counts by the caller (`ColumnSigns.fold`); None:
+        they are counted here.
     Returns (n_groups, bins + 5) float64 counts on the device (exact integers).
     """
     rows_total, width = grads.shape
@@ -71,11 +112,13 @@ def _grouped_counts(
     low, high = axis.zone
     n_classes = axis.bins.count + len(EXTRAS)
     counts = torch.zeros(n_groups * n_classes, dtype=torch.float64, device=device)
+    if groups is not None and tally is None:  # a tally of these rows alone, folded here
+        tally = ColumnSigns(axis, groups, n_groups)
+        return _grouped_counts(grads, axis, groups, n_groups, tally).add_(tally.fold())
     # Σ sign and Σ sign² of the inner values: per column when grouped, else in total. Sums of
     # ±1 and 0 are exact in float32 up to 2^24 terms (a chunk, or B per column).
-    shape = (width,) if groups is not None else ()
-    signed = torch.zeros(shape, dtype=torch.float64, device=device)
-    nonzero = torch.zeros(shape, dtype=torch.float64, device=device)
+    signed, nonzero = ((tally.signed, tally.nonzero) if tally is not None else
+                       torch.zeros(2, dtype=torch.float64, device=device).unbind())
     buffer = torch.empty(rows * width, dtype=grads.dtype, device=device)
     by_sign = 0  # rows counted by sign
     outer_columns = []
@@ -109,20 +152,23 @@ def _grouped_counts(
             nonzero += signs.abs_().sum(0)
 
     counts = counts.view(n_groups, n_classes)
-    columns = (torch.cat(outer_columns) if outer_columns
-               else torch.zeros(0, dtype=torch.long, device=device))
-    if groups is None:
-        inner = torch.tensor(float(by_sign * width - columns.numel()), dtype=torch.float64,
-                             device=device)
-        s, a, total = (t.reshape(1) for t in (signed, nonzero, inner))
-    else:
-        inner = by_sign - torch.bincount(columns, minlength=width).double()
-        s, a, total = torch.zeros(3, n_groups, dtype=torch.float64, device=device).index_add_(
-            1, groups, torch.stack([signed, nonzero, inner]))
-    negative, zero, positive = (a - s) / 2, total - a, (a + s) / 2
-    for cls, part in zip(axis.sign_classes, (negative, zero, positive)):
-        counts[:, cls] += part
+    if tally is not None:
+        tally.rows += by_sign
+        tally.outer += outer_columns
+        return counts
+    inner = by_sign * width - sum(columns.numel() for columns in outer_columns)
+    _add_sign_classes(counts, axis, signed, nonzero,
+                      torch.tensor(float(inner), dtype=torch.float64, device=device))
     return counts
+
+
+def _add_sign_classes(counts: Tensor, axis: _Axis, signed: Tensor, nonzero: Tensor,
+                      total: Tensor) -> None:
+    """Add to counts (n_groups, bins + 5) the values classed by sign alone, from their Σ
+    sign, Σ |sign| and number per group ((n_groups,) or scalar float64 tensors)."""
+    for cls, part in zip(axis.sign_classes, ((nonzero - signed) / 2, total - nonzero,
+                                             (nonzero + signed) / 2)):
+        counts[:, cls] += part
 
 
 def _flat_rows(grads: Tensor) -> Tensor:
