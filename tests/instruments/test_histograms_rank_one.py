@@ -29,10 +29,13 @@ from .histogram_cases import (
 )
 
 
+@pytest.mark.parametrize("numpy_on_cpu", [True, False], ids=["numpy", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("bins", [*BIN_CASES, Bins(4, -0.5, 0.0), Bins(6, -3.0, -1.0)], ids=str)
-def test_rank_one_1d_equals_numpy(monkeypatch, bins: Bins, dtype: torch.dtype) -> None:
+def test_rank_one_1d_equals_numpy(monkeypatch, bins: Bins, dtype: torch.dtype,
+                                  numpy_on_cpu: bool) -> None:
     monkeypatch.setattr(RO, "_CUT_WORK", math.inf)  # the searches even for dense data
+    monkeypatch.setattr(RO, "_NUMPY_ON_CPU", numpy_on_cpu)  # False: an accelerator's path
     part = rank_one_tricky(dtype, bins)
     assert RO._rank_one_1d(part, B._axis(bins, dtype, torch.device("cpu"))) is not None
     assert_matches_numpy(histogram_1d(part, bins), materialised(part).numpy(), bins)
@@ -57,7 +60,8 @@ def test_rank_one_2d_equals_numpy(monkeypatch, dtype: torch.dtype) -> None:
                                                                  (40, 50), ((-1, 1), (-2, 2))))
 
 
-@pytest.mark.parametrize("case", ["nan", "inf", "underflow", "overflow", "dense", "half"])
+@pytest.mark.parametrize("case", ["nan", "nan-sorted", "inf", "underflow", "underflow-negative",
+                                  "overflow", "dense", "half"])
 def test_rank_one_fallbacks_stay_exact(case: str) -> None:
     """Where the factors do not determine the counts cheaply, the part is materialised."""
     bins = Bins(20, -1.0, 1.0)
@@ -65,10 +69,14 @@ def test_rank_one_fallbacks_stay_exact(case: str) -> None:
     left, right = part.left.clone(), part.right.clone()
     if case == "nan":
         left[1, 2] = math.nan
+    elif case == "nan-sorted":  # in the longer factor, whose rows are sorted
+        right[1, 2] = math.nan
     elif case == "inf":
         right[3, 5] = -math.inf
     elif case == "underflow":  # 1e-30 · 1e-20 rounds to 0 in float32: sign counts would lie
         left[0, 0], right[0, 1] = -1e-30, 1e-20
+    elif case == "underflow-negative":  # the same, the smallest |r| a negative r, in a row
+        left[0, 0], right[2, 1] = 1e-30, -1e-20  # other than the smallest |left|'s
     elif case == "overflow":  # a product of finite factors that rounds to +Inf
         left[0, 0], right[0, 1] = 1e30, 1e20
     elif case == "dense":  # most products outside the sign zone
@@ -78,7 +86,7 @@ def test_rank_one_fallbacks_stay_exact(case: str) -> None:
     part = H.RankOne(left, right)
     axis = B._axis(bins, torch.float32, torch.device("cpu"))
     if case != "dense":
-        assert not RO._factors_usable(part)
+        assert not RO._factors_usable(part.left, RO._SortedRows.build(part.right, False))
     else:
         assert RO._rank_one_1d(part, axis) is None
     values = materialised(part)

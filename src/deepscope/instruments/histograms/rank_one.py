@@ -12,6 +12,7 @@ None and the part is materialised for the dense counter.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -32,23 +33,26 @@ _SCREEN_WORK = 0.25
 # float64 a fortiori); screening with this much less keeps every such product, through the
 # rounding of the screening products themselves and of the threshold to the data's dtype.
 _SCREEN_SLACK = 1 - 2.0**-18
+# the binary searches in NumPy on the CPU: its elementwise ops on ~10⁴ values cost a third
+# of torch's there (a switch, so that tests run the torch path an accelerator takes)
+_NUMPY_ON_CPU = True
 
 
-def _factors_usable(part: RankOne) -> bool:
-    """Whether sign counts of `part`'s products follow from its factors' signs and every
-    product is finite: float32 / float64 factors (half-precision products round in half),
-    all finite, no nonzero product small enough to round to zero, none large enough to
-    round to ±Inf. Also False for more than 2²⁴ samples (sign sums in float32)."""
-    left, right = part.left, part.right
-    if left.dtype not in (torch.float32, torch.float64) or part.samples > 2**24:
+def _factors_usable(left: Tensor, rows: _SortedRows) -> bool:
+    """Whether sign counts of the products of `left` (b, O) with the sorted `rows` (the
+    other factor) follow from the factors' signs and every product is finite: float32 /
+    float64 factors (half-precision products round in half), all finite, no nonzero product
+    small enough to round to zero, none large enough to round to ±Inf. Also False for more
+    than 2²⁴ samples (sign sums in float32)."""
+    if left.dtype not in (torch.float32, torch.float64) or rows.samples > 2**24:
         return False
-    if left.numel() == 0 or right.numel() == 0:
+    if left.numel() == 0 or rows.width == 0:
         return True
-    a_left, a_right = left.abs(), right.abs()
-    big = left.new_tensor(math.inf)
+    a_left = left.abs()
+    # zeros read as 1 (no torch.where: several times slower on CPU): min(1, the smallest
+    # nonzero) can only make the test stricter
     largest_l, largest_r, smallest_l, smallest_r = torch.stack([
-        a_left.max(), a_right.max(),
-        torch.where(a_left > 0, a_left, big).min(), torch.where(a_right > 0, a_right, big).min(),
+        a_left.max(), rows.largest.max(), (a_left + (a_left == 0)).min(), rows.smallest(),
     ]).tolist()
     info = torch.finfo(left.dtype)
     return (math.isfinite(largest_l) and math.isfinite(largest_r)  # no NaN, no ±Inf
@@ -91,12 +95,32 @@ class _SortedRows:
         table[:, :width] = ascending
         return cls(table.reshape(-1), span, width, b, order)
 
-    def signs(self) -> tuple[Tensor, Tensor]:
-        """(#negative, #positive) values per sample (b,), from the sorted rows."""
+    @functools.cached_property
+    def _zeros(self) -> tuple[Tensor, Tensor]:
+        """(#{r < 0}, #{r <= 0}) per sample (b,): where each row's zeros begin and end."""
         ascending = self.table.view(self.samples, -1)
         zero = ascending.new_zeros(self.samples, 1)
-        negative = torch.searchsorted(ascending, zero)[:, 0]
-        return negative, self.width - torch.searchsorted(ascending, zero, right=True)[:, 0]
+        return (torch.searchsorted(ascending, zero)[:, 0],
+                torch.searchsorted(ascending, zero, right=True)[:, 0])
+
+    def signs(self) -> tuple[Tensor, Tensor]:
+        """(#negative, #positive) values per sample (b,), from the sorted rows."""
+        negative, not_positive = self._zeros
+        return negative, self.width - not_positive
+
+    @functools.cached_property
+    def largest(self) -> Tensor:
+        """(b,) max |r| per sample, from the ends of each row (NaN, sorted last, if any)."""
+        ascending = self.table.view(self.samples, -1)
+        return torch.maximum(-ascending[:, 0], ascending[:, self.width - 1])
+
+    def smallest(self) -> Tensor:
+        """min |r| over the nonzero values (+Inf if none): the neighbours of the zeros."""
+        negative, not_positive = self._zeros
+        ascending = self.table.view(self.samples, -1)
+        below = -ascending.gather(1, (negative - 1).clamp(min=0)[:, None])[:, 0]
+        above = ascending.gather(1, not_positive[:, None])[:, 0]  # +Inf padding if none
+        return torch.minimum(torch.where(negative > 0, below, math.inf), above).min()
 
     def count(self, sample: Tensor, factor: Tensor, threshold: Tensor, flip: Tensor
               ) -> tuple[Tensor, Tensor]:
@@ -108,16 +132,20 @@ class _SortedRows:
         # −fl(a·r)) counts #{fl(a·r) <= −t} = #{fl(a·r) < next float above −t}
         bound = torch.where(mirrored, torch.nextafter(-threshold, threshold.new_tensor(math.inf)),
                             threshold)
-        cursor = sample * (1 << self.span) - 1
-        start = cursor.clone()
-        a = factor.abs()
-        # binary lifting; index_select: several times faster than indexing with [] on CPU
-        for step in (1 << k for k in range(self.span - 1, -1, -1)):
-            candidate = cursor + step
-            cursor = torch.where(a * self.table.index_select(0, candidate) < bound,
-                                 candidate, cursor)
-        below = cursor - start
+        below = self._below(sample, factor.abs(), bound)
         return torch.where(mirrored, below, self.width - below), mirrored
+
+    def _below(self, sample: Tensor, a: Tensor, bound: Tensor) -> Tensor:
+        """#{r in row: fl(a·r) < bound} per query (a > 0), by binary lifting over the
+        padded rows: the cursor moves by 2ᵏ wherever the product there is still below."""
+        start = sample * (1 << self.span) - 1
+        cpu = _NUMPY_ON_CPU and self.table.device.type == "cpu"
+        table, a, bound, cursor = ((t.numpy() for t in (self.table, a, bound, start.clone()))
+                                   if cpu else (self.table, a, bound, start.clone()))
+        gather = table.take if cpu else functools.partial(torch.index_select, table, 0)
+        for step in (1 << k for k in range(self.span - 1, -1, -1)):
+            cursor += (a * gather(cursor + step) < bound) * step
+        return torch.as_tensor(cursor) - start
 
 
 def _rank_one_1d(part: RankOne, axis: _Axis) -> Tensor | None:
@@ -130,11 +158,12 @@ def _rank_one_1d(part: RankOne, axis: _Axis) -> Tensor | None:
     = #{fl(−left·right) > |e|}; for e = 0 the sign counts. Bin k is then #{>= e_k} −
     #{>= e_k+1}.
     """
-    if not _factors_usable(part):
-        return None
     left, right = part.left, part.right
     if left.shape[1] > right.shape[1]:  # search the longer side: fewer rows
         left, right = right, left
+    sorted_rows = _SortedRows.build(right, with_order=False)
+    if not _factors_usable(left, sorted_rows):
+        return None
     b, rows_per_sample = left.shape
     width = right.shape[1]
     device = left.device
@@ -145,7 +174,7 @@ def _rank_one_1d(part: RankOne, axis: _Axis) -> Tensor | None:
         return torch.zeros(1, n + len(EXTRAS), dtype=torch.float64, device=device)
     # the queries each row can reach: sorted thresholds <= |left|·max|right| (with slack);
     # most rows reach none
-    reach = (left.abs() * right.abs().amax(1, keepdim=True)).reshape(-1)
+    reach = (left.abs() * sorted_rows.largest[:, None]).reshape(-1)
     limits = query.threshold * _SCREEN_SLACK
     rows = (reach >= limits[0]).nonzero().squeeze(1)
     per_row = torch.searchsorted(limits, reach[rows], right=True)
@@ -157,7 +186,6 @@ def _rank_one_1d(part: RankOne, axis: _Axis) -> Tensor | None:
     row = rows.index_select(0, taken)
     entry = (torch.arange(pairs, device=device)
              - (torch.cumsum(per_row, 0) - per_row).index_select(0, taken))
-    sorted_rows = _SortedRows.build(right, with_order=False)
     found, _ = sorted_rows.count(row // rows_per_sample, left.reshape(-1).index_select(0, row),
                                  query.threshold.index_select(0, entry),
                                  query.flip.index_select(0, entry))
@@ -193,9 +221,10 @@ def _rank_one_2d(part: RankOne, axis: _Axis, groups: Tensor, n_groups: int) -> T
     `_SortedRows.count` entries of right[i] sorted or mirrored: exactly those are formed
     and binned one by one with their θ group.
     """
-    if not _factors_usable(part):
-        return None
     left, right = part.left, part.right
+    sorted_rows = _SortedRows.build(right, with_order=True)
+    if not _factors_usable(left, sorted_rows):
+        return None
     b, width_o = left.shape
     width_i = right.shape[1]
     n_classes = axis.bins.count + len(EXTRAS)
@@ -206,7 +235,7 @@ def _rank_one_2d(part: RankOne, axis: _Axis, groups: Tensor, n_groups: int) -> T
     low, high = axis.zone
     # queries (row, side) for the finite zone bounds: hi fl(left·r) >= high, lo
     # fl(−left·r) >= −low; only rows whose largest product can reach the bound
-    reach = (left.abs() * right.abs().amax(1, keepdim=True)).reshape(-1)
+    reach = (left.abs() * sorted_rows.largest[:, None]).reshape(-1)
     rows, flips, thresholds = [], [], []
     for bound, flipped in ((high, False), (-low, True)):
         if math.isfinite(bound):
@@ -215,7 +244,6 @@ def _rank_one_2d(part: RankOne, axis: _Axis, groups: Tensor, n_groups: int) -> T
             flips.append(torch.full(reaching.shape, flipped, device=device))
             thresholds.append(left.new_full(reaching.shape, bound))
     row, flip, threshold = torch.cat(rows), torch.cat(flips), torch.cat(thresholds)
-    sorted_rows = _SortedRows.build(right, with_order=True)
     order = sorted_rows.order
     assert order is not None  # asked for
     sample = row // width_o
