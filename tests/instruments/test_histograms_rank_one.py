@@ -41,6 +41,30 @@ def test_rank_one_1d_equals_numpy(monkeypatch, bins: Bins, dtype: torch.dtype,
     assert_matches_numpy(histogram_1d(part, bins), materialised(part).numpy(), bins)
 
 
+@pytest.mark.parametrize("sparse_side", ["left", "right"])
+def test_rank_one_1d_sorts_the_side_with_fewer_searches(monkeypatch, sparse_side: str) -> None:
+    """Factors of similar widths: the other side's rows are searched for the values of the
+    side from which fewer products can reach the first edge (here the mostly-zero one, like
+    a ReLU's output); the counts are the same either way."""
+    bins = Bins(40, -1.0, 1.0)
+    gen = torch.Generator().manual_seed(3)
+    sparse = torch.zeros(5, 17)
+    sparse[:, :2] = torch.randn(5, 2, generator=gen)
+    dense = torch.randn(5, 13, generator=gen)
+    part = H.RankOne(sparse, dense) if sparse_side == "left" else H.RankOne(dense, sparse)
+    sorted_widths = []
+    build = RO._SortedRows.build
+
+    def spy(right: torch.Tensor, with_order: bool) -> RO._SortedRows:
+        sorted_widths.append(right.shape[1])
+        return build(right, with_order)
+
+    monkeypatch.setattr(RO._SortedRows, "build", spy)
+    monkeypatch.setattr(RO, "_CUT_WORK", math.inf)
+    assert_matches_numpy(histogram_1d(part, bins), materialised(part).numpy(), bins)
+    assert sorted_widths == [13]  # the dense factor's rows
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_rank_one_2d_equals_numpy(monkeypatch, dtype: torch.dtype) -> None:
     monkeypatch.setattr(RO, "_SCREEN_WORK", math.inf)

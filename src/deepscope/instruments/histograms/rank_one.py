@@ -148,6 +148,14 @@ class _SortedRows:
         return torch.as_tensor(cursor) - start
 
 
+def _search_work(left: Tensor, right: Tensor, first: float) -> int:
+    """Binary-search steps of counting with `right`'s rows sorted, estimated: the rows
+    (i, o) whose products can reach the first threshold, times a search's depth (the
+    products are the same either way; which side is sorted only decides the time)."""
+    reach = left.abs() * right.abs().amax(1, keepdim=True) >= first
+    return int(reach.sum()) * max(1, right.shape[1]).bit_length()
+
+
 def _rank_one_1d(part: RankOne, axis: _Axis) -> Tensor | None:
     """GradHist1d class counts (1, bins + 5) of a `RankOne` part's products, float64 on
     the device, from counts per edge instead of per product; None when not applicable
@@ -158,8 +166,13 @@ def _rank_one_1d(part: RankOne, axis: _Axis) -> Tensor | None:
     = #{fl(−left·right) > |e|}; for e = 0 the sign counts. Bin k is then #{>= e_k} −
     #{>= e_k+1}.
     """
+    query = axis.queries
     left, right = part.left, part.right
-    if left.shape[1] > right.shape[1]:  # search the longer side: fewer rows
+    if 2 * min(left.shape[1], right.shape[1]) > max(left.shape[1], right.shape[1]):
+        first = float(query.threshold[0]) * _SCREEN_SLACK
+        if _search_work(right, left, first) < _search_work(left, right, first):
+            left, right = right, left
+    elif left.shape[1] > right.shape[1]:  # search the longer side: far fewer rows
         left, right = right, left
     sorted_rows = _SortedRows.build(right, with_order=False)
     if not _factors_usable(left, sorted_rows):
@@ -168,7 +181,6 @@ def _rank_one_1d(part: RankOne, axis: _Axis) -> Tensor | None:
     width = right.shape[1]
     device = left.device
     total = b * rows_per_sample * width
-    query = axis.queries
     n = axis.bins.count
     if total == 0:
         return torch.zeros(1, n + len(EXTRAS), dtype=torch.float64, device=device)
