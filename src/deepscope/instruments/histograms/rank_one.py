@@ -33,8 +33,8 @@ _SCREEN_WORK = 0.25
 # float64 a fortiori); screening with this much less keeps every such product, through the
 # rounding of the screening products themselves and of the threshold to the data's dtype.
 _SCREEN_SLACK = 1 - 2.0**-18
-# the binary searches in NumPy on the CPU: its elementwise ops on ~10⁴ values cost a third
-# of torch's there (a switch, so that tests run the torch path an accelerator takes)
+# the binary searches in NumPy on the CPU: its elementwise ops on ~10⁴ values cost a half
+# to a third of torch's there (a switch, so that tests run the torch path an accelerator takes)
 _NUMPY_ON_CPU = True
 
 
@@ -127,25 +127,24 @@ class _SortedRows:
         """(#{r in row: fl(f'·r) >= threshold}, mirrored) per query, f' = −factor where
         `flip`, else factor (factor nonzero, threshold > 0). Mirrored (f' < 0): the count
         is a prefix of the ascending row, else a suffix."""
+        cpu = _NUMPY_ON_CPU and self.table.device.type == "cpu"
+        xp = np if cpu else torch  # the same expressions on NumPy arrays or tensors
+        table, sample, factor, threshold, flip = (
+            t.numpy() if cpu else t for t in (self.table, sample, factor, threshold, flip))
+        gather = table.take if cpu else functools.partial(torch.index_select, table, 0)
         mirrored = (factor < 0) ^ flip
         # with a = |f'|: f' > 0 counts the rest of #{fl(a·r) < t}; f' < 0 (fl(f'·r) =
         # −fl(a·r)) counts #{fl(a·r) <= −t} = #{fl(a·r) < next float above −t}
-        bound = torch.where(mirrored, torch.nextafter(-threshold, threshold.new_tensor(math.inf)),
-                            threshold)
-        below = self._below(sample, factor.abs(), bound)
-        return torch.where(mirrored, below, self.width - below), mirrored
-
-    def _below(self, sample: Tensor, a: Tensor, bound: Tensor) -> Tensor:
-        """#{r in row: fl(a·r) < bound} per query (a > 0), by binary lifting over the
-        padded rows: the cursor moves by 2ᵏ wherever the product there is still below."""
-        start = sample * (1 << self.span) - 1
-        cpu = _NUMPY_ON_CPU and self.table.device.type == "cpu"
-        table, a, bound, cursor = ((t.numpy() for t in (self.table, a, bound, start.clone()))
-                                   if cpu else (self.table, a, bound, start.clone()))
-        gather = table.take if cpu else functools.partial(torch.index_select, table, 0)
+        bound = xp.where(mirrored, xp.nextafter(-threshold, threshold + math.inf), threshold)
+        a = abs(factor)
+        # #{fl(a·r) < bound} by binary lifting over the padded rows: the cursor moves by 2ᵏ
+        # wherever the product there is still below
+        cursor = sample * (1 << self.span) - 1
         for step in (1 << k for k in range(self.span - 1, -1, -1)):
             cursor += (a * gather(cursor + step) < bound) * step
-        return torch.as_tensor(cursor) - start
+        below = cursor - (sample * (1 << self.span) - 1)
+        found = xp.where(mirrored, below, self.width - below)
+        return torch.as_tensor(found), torch.as_tensor(mirrored)
 
 
 def _search_work(left: Tensor, right: Tensor, first: float) -> int:
