@@ -15,13 +15,14 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from ..rules.base import RankOne
-from .bins import _OVER, _UNDER, EXTRAS, _Axis
+from .bins import _OVER, _UNDER, EXTRAS, _Axis, _Queries
 
 # rank-one parts are materialised when the per-edge searches (1-D) / the outer products
 # (2-D) would be more than this fraction of the number of products
@@ -33,9 +34,36 @@ _SCREEN_WORK = 0.25
 # float64 a fortiori); screening with this much less keeps every such product, through the
 # rounding of the screening products themselves and of the threshold to the data's dtype.
 _SCREEN_SLACK = 1 - 2.0**-18
-# the binary searches in NumPy on the CPU: its elementwise ops on ~10⁴ values cost a half
-# to a third of torch's there (a switch, so that tests run the torch path an accelerator takes)
+# the per-query work in NumPy on the CPU (a switch, so that tests run the torch path an
+# accelerator takes)
 _NUMPY_ON_CPU = True
+
+
+@dataclass(frozen=True)
+class _Arrays:
+    """Where the per-query work runs: NumPy on the CPU (its ops on ~10⁴ values cost a half
+    to a third of torch's there, per-call overhead included), else torch on the device. The
+    code is written once over both (`xp`: the module)."""
+
+    xp: Any
+    device: torch.device
+
+    @classmethod
+    def of(cls, device: torch.device) -> _Arrays:
+        return cls(np if _NUMPY_ON_CPU and device.type == "cpu" else torch, device)
+
+    def host(self, t: Any) -> Any:
+        """A tensor as an array of `xp` (a view)."""
+        return t.numpy() if self.xp is np and isinstance(t, Tensor) else t
+
+    def arange(self, n: int) -> Any:
+        return np.arange(n) if self.xp is np else torch.arange(n, device=self.device)
+
+    def repeat(self, counts: Any) -> Any:
+        """arange(len(counts)), entry k repeated counts[k] times."""
+        if self.xp is np:
+            return np.repeat(np.arange(len(counts)), counts)
+        return torch.repeat_interleave(self.arange(len(counts)), counts)
 
 
 def _factors_usable(left: Tensor, rows: _SortedRows) -> bool:
@@ -122,16 +150,16 @@ class _SortedRows:
         above = ascending.gather(1, not_positive[:, None])[:, 0]  # +Inf padding if none
         return torch.minimum(torch.where(negative > 0, below, math.inf), above).min()
 
-    def count(self, sample: Tensor, factor: Tensor, threshold: Tensor, flip: Tensor
-              ) -> tuple[Tensor, Tensor]:
+    def count(self, sample: Any, factor: Any, threshold: Any, flip: Any) -> tuple[Any, Any]:
         """(#{r in row: fl(f'·r) >= threshold}, mirrored) per query, f' = −factor where
         `flip`, else factor (factor nonzero, threshold > 0). Mirrored (f' < 0): the count
-        is a prefix of the ascending row, else a suffix."""
-        cpu = _NUMPY_ON_CPU and self.table.device.type == "cpu"
-        xp = np if cpu else torch  # the same expressions on NumPy arrays or tensors
+        is a prefix of the ascending row, else a suffix. Arguments and results: tensors, or
+        arrays of `_Arrays.of(device).xp`."""
+        arrays = _Arrays.of(self.table.device)
+        xp = arrays.xp
         table, sample, factor, threshold, flip = (
-            t.numpy() if cpu else t for t in (self.table, sample, factor, threshold, flip))
-        gather = table.take if cpu else functools.partial(torch.index_select, table, 0)
+            arrays.host(t) for t in (self.table, sample, factor, threshold, flip))
+        gather = table.take if xp is np else functools.partial(torch.index_select, table, 0)
         mirrored = (factor < 0) ^ flip
         # with a = |f'|: f' > 0 counts the rest of #{fl(a·r) < t}; f' < 0 (fl(f'·r) =
         # −fl(a·r)) counts #{fl(a·r) <= −t} = #{fl(a·r) < next float above −t}
@@ -143,8 +171,7 @@ class _SortedRows:
         for step in (1 << k for k in range(self.span - 1, -1, -1)):
             cursor += (a * gather(cursor + step) < bound) * step
         below = cursor - (sample * (1 << self.span) - 1)
-        found = xp.where(mirrored, below, self.width - below)
-        return torch.as_tensor(found), torch.as_tensor(mirrored)
+        return xp.where(mirrored, below, self.width - below), mirrored
 
 
 def _search_work(left: Tensor, right: Tensor, first: float) -> int:
@@ -153,6 +180,30 @@ def _search_work(left: Tensor, right: Tensor, first: float) -> int:
     products are the same either way; which side is sorted only decides the time)."""
     reach = left.abs() * right.abs().amax(1, keepdim=True) >= first
     return int(reach.sum()) * max(1, right.shape[1]).bit_length()
+
+
+def _reached(left: Tensor, rows: _SortedRows, query: _Queries, most: float) -> Tensor | None:
+    """#{products >= threshold} per query threshold (float64, on the device): the sum of
+    `_SortedRows.count` over the (row (i, o), threshold) pairs the row can reach, sorted
+    thresholds <= |left[i, o]|·max|row i| (with slack; most rows reach none). None when the
+    searches would cost more than `most` products' classing."""
+    arrays = _Arrays.of(left.device)
+    xp = arrays.xp
+    limits = arrays.host(query.threshold * _SCREEN_SLACK)
+    reach = arrays.host((left.abs() * rows.largest[:, None]).reshape(-1))
+    reaching = xp.where(reach >= limits[0])[0]
+    per_row = xp.searchsorted(limits, reach[reaching], side="right")
+    pairs = int(per_row.sum())
+    if pairs * (rows.width.bit_length() + 4) > most:
+        return None
+    taken = arrays.repeat(per_row)
+    entry = arrays.arange(pairs) - (per_row.cumsum(0) - per_row)[taken]  # k-th of its row
+    row = reaching[taken]
+    found, _ = rows.count(row // left.shape[1], arrays.host(left).reshape(-1)[row],
+                          arrays.host(query.threshold)[entry], arrays.host(query.flip)[entry])
+    reached = xp.bincount(entry, weights=xp.asarray(found, dtype=xp.float64),
+                          minlength=len(limits))
+    return torch.as_tensor(reached, dtype=torch.float64, device=left.device)  # (int if none)
 
 
 def _rank_one_1d(part: RankOne, axis: _Axis) -> Tensor | None:
@@ -183,25 +234,9 @@ def _rank_one_1d(part: RankOne, axis: _Axis) -> Tensor | None:
     n = axis.bins.count
     if total == 0:
         return torch.zeros(1, n + len(EXTRAS), dtype=torch.float64, device=device)
-    # the queries each row can reach: sorted thresholds <= |left|·max|right| (with slack);
-    # most rows reach none
-    reach = (left.abs() * sorted_rows.largest[:, None]).reshape(-1)
-    limits = query.threshold * _SCREEN_SLACK
-    rows = (reach >= limits[0]).nonzero().squeeze(1)
-    per_row = torch.searchsorted(limits, reach[rows], right=True)
-    pairs = int(per_row.sum())
-    if pairs * (width.bit_length() + 4) > total * _CUT_WORK:  # classing each is cheaper
+    reached = _reached(left, sorted_rows, query, total * _CUT_WORK)
+    if reached is None:  # classing each product is cheaper
         return None
-    taken = torch.repeat_interleave(torch.arange(rows.numel(), device=device), per_row,
-                                    output_size=pairs)
-    row = rows.index_select(0, taken)
-    entry = (torch.arange(pairs, device=device)
-             - (torch.cumsum(per_row, 0) - per_row).index_select(0, taken))
-    found, _ = sorted_rows.count(row // rows_per_sample, left.reshape(-1).index_select(0, row),
-                                 query.threshold.index_select(0, entry),
-                                 query.flip.index_select(0, entry))
-    reached = torch.zeros(query.threshold.numel(), dtype=torch.float64, device=device)
-    reached.index_add_(0, entry, found.double())
     # #{products >= e_k} for k = 0..n, then #{products > e_n}, from the reached counts
     nr, pr = sorted_rows.signs()
     pl, nl = (left > 0).sum(1), (left < 0).sum(1)
@@ -258,8 +293,8 @@ def _rank_one_2d(part: RankOne, axis: _Axis, groups: Tensor, n_groups: int) -> T
     order = sorted_rows.order
     assert order is not None  # asked for
     sample = row // width_o
-    found, mirrored = sorted_rows.count(sample, left.reshape(-1).index_select(0, row),
-                                        threshold, flip)
+    found, mirrored = (torch.as_tensor(t) for t in sorted_rows.count(
+        sample, left.reshape(-1).index_select(0, row), threshold, flip))
     hits = int(found.sum())
     if hits > b * width_o * width_i * _SCREEN_WORK:  # mostly outer: class them all
         return None
