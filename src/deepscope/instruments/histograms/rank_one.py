@@ -37,6 +37,7 @@ _SCREEN_SLACK = 1 - 2.0**-18
 # the per-query work in NumPy on the CPU (a switch, so that tests run the torch path an
 # accelerator takes)
 _NUMPY_ON_CPU = True
+_SAMPLES_TO_ESTIMATE = 32
 
 
 @dataclass(frozen=True)
@@ -175,9 +176,11 @@ class _SortedRows:
 
 
 def _search_work(left: Tensor, right: Tensor, first: float) -> int:
-    """Binary-search steps of counting with `right`'s rows sorted, estimated: the rows
-    (i, o) whose products can reach the first threshold, times a search's depth (the
-    products are the same either way; which side is sorted only decides the time)."""
+    """Binary-search steps of counting with `right`'s rows sorted, estimated on the first
+    `_SAMPLES_TO_ESTIMATE` samples: the rows (i, o) whose products can reach the first
+    threshold, times a search's depth (the products are the same either way; which side is
+    sorted only decides the time)."""
+    left, right = left[:_SAMPLES_TO_ESTIMATE], right[:_SAMPLES_TO_ESTIMATE]
     reach = left.abs() * right.abs().amax(1, keepdim=True) >= first
     return int(reach.sum()) * max(1, right.shape[1]).bit_length()
 
