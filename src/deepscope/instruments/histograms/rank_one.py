@@ -77,12 +77,11 @@ def _factors_usable(left: Tensor, rows: _SortedRows) -> bool:
         return False
     if left.numel() == 0 or rows.width == 0:
         return True
-    a_left = left.abs()
+    a_left = abs(_Arrays.of(left.device).host(left))
     # zeros read as 1 (no torch.where: several times slower on CPU): min(1, the smallest
     # nonzero) can only make the test stricter
-    largest_l, largest_r, smallest_l, smallest_r = torch.stack([
-        a_left.max(), rows.largest.max(), (a_left + (a_left == 0)).min(), rows.smallest(),
-    ]).tolist()
+    largest_l, largest_r, smallest_l, smallest_r = (float(v) for v in (
+        a_left.max(), rows.largest.max(), (a_left + (a_left == 0)).min(), rows.smallest()))
     info = torch.finfo(left.dtype)
     return (math.isfinite(largest_l) and math.isfinite(largest_r)  # no NaN, no ±Inf
             and smallest_l * smallest_r >= info.tiny
@@ -242,7 +241,9 @@ def _rank_one_1d(part: RankOne, axis: _Axis) -> Tensor | None:
         return None
     # #{products >= e_k} for k = 0..n, then #{products > e_n}, from the reached counts
     nr, pr = sorted_rows.signs()
-    pl, nl = (left > 0).sum(1), (left < 0).sum(1)
+    arrays = _Arrays.of(device)
+    host = arrays.host(left)
+    pl, nl, nr, pr = (host > 0).sum(1), (host < 0).sum(1), arrays.host(nr), arrays.host(pr)
     positive = float((pl * pr + nl * nr).sum())  # a product's sign: its factors' signs
     negative = float((pl * nr + nl * pr).sum())
     at_least = torch.zeros(n + 2, dtype=torch.float64, device=device)
