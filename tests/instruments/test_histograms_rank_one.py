@@ -65,9 +65,11 @@ def test_rank_one_1d_sorts_the_side_with_fewer_searches(monkeypatch, sparse_side
     assert sorted_widths == [13]  # the dense factor's rows
 
 
+@pytest.mark.parametrize("numpy_on_cpu", [True, False], ids=["numpy", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_rank_one_2d_equals_numpy(monkeypatch, dtype: torch.dtype) -> None:
+def test_rank_one_2d_equals_numpy(monkeypatch, dtype: torch.dtype, numpy_on_cpu: bool) -> None:
     monkeypatch.setattr(RO, "_SCREEN_WORK", math.inf)
+    monkeypatch.setattr(RO, "_NUMPY_ON_CPU", numpy_on_cpu)  # False: an accelerator's path
     px, gy = Bins(40, -1.0, 1.0), Bins(50, -2.0, 2.0)
     part = rank_one_tricky(dtype, gy)
     theta = torch.rand(9, 23, generator=torch.Generator().manual_seed(2), dtype=dtype) * 2.6 - 1.3
