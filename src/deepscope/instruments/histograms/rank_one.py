@@ -67,6 +67,15 @@ class _Arrays:
         return torch.repeat_interleave(self.arange(len(counts)), counts)
 
 
+def _usable_rows(left: Tensor, right: Tensor, with_order: bool) -> _SortedRows | None:
+    """`right`'s rows sorted, if the counts of its products with `left` follow from the
+    factors (see `_factors_usable`); None if not (a dtype NumPy cannot sort: not sorted)."""
+    if left.dtype not in (torch.float32, torch.float64) or left.shape[0] > 2**24:
+        return None
+    rows = _SortedRows.build(right, with_order)
+    return rows if _factors_usable(left, rows) else None
+
+
 def _factors_usable(left: Tensor, rows: _SortedRows) -> bool:
     """Whether sign counts of the products of `left` (b, O) with the sorted `rows` (the
     other factor) follow from the factors' signs and every product is finite: float32 /
@@ -226,8 +235,8 @@ def _rank_one_1d(part: RankOne, axis: _Axis) -> Tensor | None:
             left, right = right, left
     elif left.shape[1] > right.shape[1]:  # search the longer side: far fewer rows
         left, right = right, left
-    sorted_rows = _SortedRows.build(right, with_order=False)
-    if not _factors_usable(left, sorted_rows):
+    sorted_rows = _usable_rows(left, right, with_order=False)
+    if sorted_rows is None:
         return None
     b, rows_per_sample = left.shape
     width = right.shape[1]
@@ -272,8 +281,8 @@ def _rank_one_2d(part: RankOne, axis: _Axis, groups: Tensor, n_groups: int) -> T
     and binned one by one with their θ group.
     """
     left, right = part.left, part.right
-    sorted_rows = _SortedRows.build(right, with_order=True)
-    if not _factors_usable(left, sorted_rows):
+    sorted_rows = _usable_rows(left, right, with_order=True)
+    if sorted_rows is None:
         return None
     b, width_o = left.shape
     width_i = right.shape[1]
