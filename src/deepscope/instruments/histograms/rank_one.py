@@ -55,7 +55,7 @@ class _Arrays:
 
     def host(self, t: Any) -> Any:
         """A tensor as an array of `xp` (a view)."""
-        return t.numpy() if self.xp is np and isinstance(t, Tensor) else t
+        return t.detach().numpy() if self.xp is np and isinstance(t, Tensor) else t
 
     def arange(self, n: int) -> Any:
         return np.arange(n) if self.xp is np else torch.arange(n, device=self.device)
