@@ -104,6 +104,18 @@ def test_registering_extends_the_names_and_restores(param_norm):
         catalogue.unregister("GradNorm")
 
 
+def test_needing_follows_registering_and_removing():
+    """`needing` answers from a cache, which a change of the catalogue empties."""
+    assert "EngineNorm" not in catalogue.needing("engine")  # asked (cached) before
+    catalogue.register(QuantitySpec("EngineNorm", needs=frozenset({"engine"})))
+    try:
+        assert "EngineNorm" in catalogue.needing("engine")
+    finally:
+        catalogue.unregister("EngineNorm")
+    assert "EngineNorm" not in catalogue.needing("engine")
+    assert "GradNorm" in catalogue.needing("engine")
+
+
 def test_a_spec_names_only_known_needs_and_panels():
     with pytest.raises(ValueError, match="unknown needs"):
         QuantitySpec("X", needs=frozenset({"gpu"}))

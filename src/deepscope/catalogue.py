@@ -137,6 +137,7 @@ _BUILT_IN: tuple[QuantitySpec, ...] = (
     QuantitySpec("EarlyStopping", _E, panel="snr"),
 )
 _SPECS: dict[str, QuantitySpec] = {q.name: q for q in _BUILT_IN}
+_NEEDING: dict[str, frozenset[str]] = {}  # `needing`'s answers, until the catalogue changes
 
 # The built-in quantities, in the order the suite reports them (`names()`: with registered).
 QUANTITY_NAMES: tuple[str, ...] = tuple(_SPECS)
@@ -165,6 +166,7 @@ def register(new: QuantitySpec) -> None:
     if new.name in _SPECS:
         raise ValueError(f"quantity {new.name!r} is already in the catalogue")
     _SPECS[new.name] = new
+    _NEEDING.clear()
 
 
 def unregister(name: str) -> None:
@@ -172,11 +174,15 @@ def unregister(name: str) -> None:
     if name in QUANTITY_NAMES:
         raise ValueError(f"{name!r} is built in and cannot be removed")
     _SPECS.pop(name, None)
+    _NEEDING.clear()
 
 
 def needing(need: str) -> frozenset[str]:
     """The quantities that need `need` (one of `NEEDS`)."""
-    return frozenset(q.name for q in _SPECS.values() if need in q.needs)
+    found = _NEEDING.get(need)
+    if found is None:  # (asked several times in every instrumented step)
+        found = _NEEDING[need] = frozenset(q.name for q in _SPECS.values() if need in q.needs)
+    return found
 
 
 def per_layer() -> tuple[str, ...]:

@@ -12,15 +12,17 @@ None and the part is materialised for the dense counter.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from ..rules.base import RankOne
-from .bins import _OVER, _UNDER, EXTRAS, _Axis
+from .bins import _OVER, _UNDER, EXTRAS, _Axis, _Queries
 
 # rank-one parts are materialised when the per-edge searches (1-D) / the outer products
 # (2-D) would be more than this fraction of the number of products
@@ -32,24 +34,63 @@ _SCREEN_WORK = 0.25
 # float64 a fortiori); screening with this much less keeps every such product, through the
 # rounding of the screening products themselves and of the threshold to the data's dtype.
 _SCREEN_SLACK = 1 - 2.0**-18
+# the per-query work in NumPy on the CPU (a switch, so that tests run the torch path an
+# accelerator takes)
+_NUMPY_ON_CPU = True
+_SAMPLES_TO_ESTIMATE = 32
 
 
-def _factors_usable(part: RankOne) -> bool:
-    """Whether sign counts of `part`'s products follow from its factors' signs and every
-    product is finite: float32 / float64 factors (half-precision products round in half),
-    all finite, no nonzero product small enough to round to zero, none large enough to
-    round to ±Inf. Also False for more than 2²⁴ samples (sign sums in float32)."""
-    left, right = part.left, part.right
-    if left.dtype not in (torch.float32, torch.float64) or part.samples > 2**24:
+@dataclass(frozen=True)
+class _Arrays:
+    """Where the per-query work runs: NumPy on the CPU (its ops on ~10⁴ values cost a half
+    to a third of torch's there, per-call overhead included), else torch on the device. The
+    code is written once over both (`xp`: the module)."""
+
+    xp: Any
+    device: torch.device
+
+    @classmethod
+    def of(cls, device: torch.device) -> _Arrays:
+        return cls(np if _NUMPY_ON_CPU and device.type == "cpu" else torch, device)
+
+    def host(self, t: Any) -> Any:
+        """A tensor as an array of `xp` (a view)."""
+        return t.detach().numpy() if self.xp is np and isinstance(t, Tensor) else t
+
+    def arange(self, n: int) -> Any:
+        return np.arange(n) if self.xp is np else torch.arange(n, device=self.device)
+
+    def repeat(self, counts: Any) -> Any:
+        """arange(len(counts)), entry k repeated counts[k] times."""
+        if self.xp is np:
+            return np.repeat(np.arange(len(counts)), counts)
+        return torch.repeat_interleave(self.arange(len(counts)), counts)
+
+
+def _usable_rows(left: Tensor, right: Tensor, with_order: bool) -> _SortedRows | None:
+    """`right`'s rows sorted, if the counts of its products with `left` follow from the
+    factors (see `_factors_usable`); None if not (a dtype NumPy cannot sort: not sorted)."""
+    if left.dtype not in (torch.float32, torch.float64) or left.shape[0] > 2**24:
+        return None
+    rows = _SortedRows.build(right, with_order)
+    return rows if _factors_usable(left, rows) else None
+
+
+def _factors_usable(left: Tensor, rows: _SortedRows) -> bool:
+    """Whether sign counts of the products of `left` (b, O) with the sorted `rows` (the
+    other factor) follow from the factors' signs and every product is finite: float32 /
+    float64 factors (half-precision products round in half), all finite, no nonzero product
+    small enough to round to zero, none large enough to round to ±Inf. Also False for more
+    than 2²⁴ samples (sign sums in float32)."""
+    if left.dtype not in (torch.float32, torch.float64) or rows.samples > 2**24:
         return False
-    if left.numel() == 0 or right.numel() == 0:
+    if left.numel() == 0 or rows.width == 0:
         return True
-    a_left, a_right = left.abs(), right.abs()
-    big = left.new_tensor(math.inf)
-    largest_l, largest_r, smallest_l, smallest_r = torch.stack([
-        a_left.max(), a_right.max(),
-        torch.where(a_left > 0, a_left, big).min(), torch.where(a_right > 0, a_right, big).min(),
-    ]).tolist()
+    a_left = abs(_Arrays.of(left.device).host(left))
+    # zeros read as 1 (no torch.where: several times slower on CPU): min(1, the smallest
+    # nonzero) can only make the test stricter
+    largest_l, largest_r, smallest_l, smallest_r = (float(v) for v in (
+        a_left.max(), rows.largest.max(), (a_left + (a_left == 0)).min(), rows.smallest()))
     info = torch.finfo(left.dtype)
     return (math.isfinite(largest_l) and math.isfinite(largest_r)  # no NaN, no ±Inf
             and smallest_l * smallest_r >= info.tiny
@@ -91,33 +132,89 @@ class _SortedRows:
         table[:, :width] = ascending
         return cls(table.reshape(-1), span, width, b, order)
 
-    def signs(self) -> tuple[Tensor, Tensor]:
-        """(#negative, #positive) values per sample (b,), from the sorted rows."""
+    @functools.cached_property
+    def _zeros(self) -> tuple[Tensor, Tensor]:
+        """(#{r < 0}, #{r <= 0}) per sample (b,): where each row's zeros begin and end."""
         ascending = self.table.view(self.samples, -1)
         zero = ascending.new_zeros(self.samples, 1)
-        negative = torch.searchsorted(ascending, zero)[:, 0]
-        return negative, self.width - torch.searchsorted(ascending, zero, right=True)[:, 0]
+        return (torch.searchsorted(ascending, zero)[:, 0],
+                torch.searchsorted(ascending, zero, right=True)[:, 0])
 
-    def count(self, sample: Tensor, factor: Tensor, threshold: Tensor, flip: Tensor
-              ) -> tuple[Tensor, Tensor]:
+    def signs(self) -> tuple[Tensor, Tensor]:
+        """(#negative, #positive) values per sample (b,), from the sorted rows."""
+        negative, not_positive = self._zeros
+        return negative, self.width - not_positive
+
+    @functools.cached_property
+    def largest(self) -> Tensor:
+        """(b,) max |r| per sample, from the ends of each row (NaN, sorted last, if any)."""
+        ascending = self.table.view(self.samples, -1)
+        return torch.maximum(-ascending[:, 0], ascending[:, self.width - 1])
+
+    def smallest(self) -> Tensor:
+        """min |r| over the nonzero values (+Inf if none): the neighbours of the zeros."""
+        negative, not_positive = self._zeros
+        ascending = self.table.view(self.samples, -1)
+        below = -ascending.gather(1, (negative - 1).clamp(min=0)[:, None])[:, 0]
+        above = ascending.gather(1, not_positive[:, None])[:, 0]  # +Inf padding if none
+        return torch.minimum(torch.where(negative > 0, below, math.inf), above).min()
+
+    def count(self, sample: Any, factor: Any, threshold: Any, flip: Any) -> tuple[Any, Any]:
         """(#{r in row: fl(f'·r) >= threshold}, mirrored) per query, f' = −factor where
         `flip`, else factor (factor nonzero, threshold > 0). Mirrored (f' < 0): the count
-        is a prefix of the ascending row, else a suffix."""
+        is a prefix of the ascending row, else a suffix. Arguments and results: tensors, or
+        arrays of `_Arrays.of(device).xp`."""
+        arrays = _Arrays.of(self.table.device)
+        xp = arrays.xp
+        table, sample, factor, threshold, flip = (
+            arrays.host(t) for t in (self.table, sample, factor, threshold, flip))
+        gather = table.take if xp is np else functools.partial(torch.index_select, table, 0)
         mirrored = (factor < 0) ^ flip
         # with a = |f'|: f' > 0 counts the rest of #{fl(a·r) < t}; f' < 0 (fl(f'·r) =
         # −fl(a·r)) counts #{fl(a·r) <= −t} = #{fl(a·r) < next float above −t}
-        bound = torch.where(mirrored, torch.nextafter(-threshold, threshold.new_tensor(math.inf)),
-                            threshold)
+        bound = xp.where(mirrored, xp.nextafter(-threshold, threshold + math.inf), threshold)
+        a = abs(factor)
+        # #{fl(a·r) < bound} by binary lifting over the padded rows: the cursor moves by 2ᵏ
+        # wherever the product there is still below
         cursor = sample * (1 << self.span) - 1
-        start = cursor.clone()
-        a = factor.abs()
-        # binary lifting; index_select: several times faster than indexing with [] on CPU
         for step in (1 << k for k in range(self.span - 1, -1, -1)):
-            candidate = cursor + step
-            cursor = torch.where(a * self.table.index_select(0, candidate) < bound,
-                                 candidate, cursor)
-        below = cursor - start
-        return torch.where(mirrored, below, self.width - below), mirrored
+            cursor += (a * gather(cursor + step) < bound) * step
+        below = cursor - (sample * (1 << self.span) - 1)
+        return xp.where(mirrored, below, self.width - below), mirrored
+
+
+def _search_work(left: Tensor, right: Tensor, first: float) -> int:
+    """Binary-search steps of counting with `right`'s rows sorted, estimated on the first
+    `_SAMPLES_TO_ESTIMATE` samples: the rows (i, o) whose products can reach the first
+    threshold, times a search's depth (the products are the same either way; which side is
+    sorted only decides the time)."""
+    left, right = left[:_SAMPLES_TO_ESTIMATE], right[:_SAMPLES_TO_ESTIMATE]
+    reach = left.abs() * right.abs().amax(1, keepdim=True) >= first
+    return int(reach.sum()) * max(1, right.shape[1]).bit_length()
+
+
+def _reached(left: Tensor, rows: _SortedRows, query: _Queries, most: float) -> Tensor | None:
+    """#{products >= threshold} per query threshold (float64, on the device): the sum of
+    `_SortedRows.count` over the (row (i, o), threshold) pairs the row can reach, sorted
+    thresholds <= |left[i, o]|·max|row i| (with slack; most rows reach none). None when the
+    searches would cost more than `most` products' classing."""
+    arrays = _Arrays.of(left.device)
+    xp = arrays.xp
+    limits = arrays.host(query.threshold * _SCREEN_SLACK)
+    reach = arrays.host((left.abs() * rows.largest[:, None]).reshape(-1))
+    reaching = xp.where(reach >= limits[0])[0]
+    per_row = xp.searchsorted(limits, reach[reaching], side="right")
+    pairs = int(per_row.sum())
+    if pairs * (rows.width.bit_length() + 4) > most:
+        return None
+    taken = arrays.repeat(per_row)
+    entry = arrays.arange(pairs) - (per_row.cumsum(0) - per_row)[taken]  # k-th of its row
+    row = reaching[taken]
+    found, _ = rows.count(row // left.shape[1], arrays.host(left).reshape(-1)[row],
+                          arrays.host(query.threshold)[entry], arrays.host(query.flip)[entry])
+    reached = xp.bincount(entry, weights=xp.asarray(found, dtype=xp.float64),
+                          minlength=len(limits))
+    return torch.as_tensor(reached, dtype=torch.float64, device=left.device)  # (int if none)
 
 
 def _rank_one_1d(part: RankOne, axis: _Axis) -> Tensor | None:
@@ -130,42 +227,32 @@ def _rank_one_1d(part: RankOne, axis: _Axis) -> Tensor | None:
     = #{fl(−left·right) > |e|}; for e = 0 the sign counts. Bin k is then #{>= e_k} −
     #{>= e_k+1}.
     """
-    if not _factors_usable(part):
-        return None
+    query = axis.queries
     left, right = part.left, part.right
-    if left.shape[1] > right.shape[1]:  # search the longer side: fewer rows
+    if 2 * min(left.shape[1], right.shape[1]) > max(left.shape[1], right.shape[1]):
+        first = float(query.threshold[0]) * _SCREEN_SLACK
+        if _search_work(right, left, first) < _search_work(left, right, first):
+            left, right = right, left
+    elif left.shape[1] > right.shape[1]:  # search the longer side: far fewer rows
         left, right = right, left
+    sorted_rows = _usable_rows(left, right, with_order=False)
+    if sorted_rows is None:
+        return None
     b, rows_per_sample = left.shape
     width = right.shape[1]
     device = left.device
     total = b * rows_per_sample * width
-    query = axis.queries
     n = axis.bins.count
     if total == 0:
         return torch.zeros(1, n + len(EXTRAS), dtype=torch.float64, device=device)
-    # the queries each row can reach: sorted thresholds <= |left|·max|right| (with slack);
-    # most rows reach none
-    reach = (left.abs() * right.abs().amax(1, keepdim=True)).reshape(-1)
-    limits = query.threshold * _SCREEN_SLACK
-    rows = (reach >= limits[0]).nonzero().squeeze(1)
-    per_row = torch.searchsorted(limits, reach[rows], right=True)
-    pairs = int(per_row.sum())
-    if pairs * (width.bit_length() + 4) > total * _CUT_WORK:  # classing each is cheaper
+    reached = _reached(left, sorted_rows, query, total * _CUT_WORK)
+    if reached is None:  # classing each product is cheaper
         return None
-    taken = torch.repeat_interleave(torch.arange(rows.numel(), device=device), per_row,
-                                    output_size=pairs)
-    row = rows.index_select(0, taken)
-    entry = (torch.arange(pairs, device=device)
-             - (torch.cumsum(per_row, 0) - per_row).index_select(0, taken))
-    sorted_rows = _SortedRows.build(right, with_order=False)
-    found, _ = sorted_rows.count(row // rows_per_sample, left.reshape(-1).index_select(0, row),
-                                 query.threshold.index_select(0, entry),
-                                 query.flip.index_select(0, entry))
-    reached = torch.zeros(query.threshold.numel(), dtype=torch.float64, device=device)
-    reached.index_add_(0, entry, found.double())
     # #{products >= e_k} for k = 0..n, then #{products > e_n}, from the reached counts
     nr, pr = sorted_rows.signs()
-    pl, nl = (left > 0).sum(1), (left < 0).sum(1)
+    arrays = _Arrays.of(device)
+    host = arrays.host(left)
+    pl, nl, nr, pr = (host > 0).sum(1), (host < 0).sum(1), arrays.host(nr), arrays.host(pr)
     positive = float((pl * pr + nl * nr).sum())  # a product's sign: its factors' signs
     negative = float((pl * nr + nl * pr).sum())
     at_least = torch.zeros(n + 2, dtype=torch.float64, device=device)
@@ -193,9 +280,10 @@ def _rank_one_2d(part: RankOne, axis: _Axis, groups: Tensor, n_groups: int) -> T
     `_SortedRows.count` entries of right[i] sorted or mirrored: exactly those are formed
     and binned one by one with their θ group.
     """
-    if not _factors_usable(part):
-        return None
     left, right = part.left, part.right
+    sorted_rows = _usable_rows(left, right, with_order=True)
+    if sorted_rows is None:
+        return None
     b, width_o = left.shape
     width_i = right.shape[1]
     n_classes = axis.bins.count + len(EXTRAS)
@@ -206,7 +294,7 @@ def _rank_one_2d(part: RankOne, axis: _Axis, groups: Tensor, n_groups: int) -> T
     low, high = axis.zone
     # queries (row, side) for the finite zone bounds: hi fl(left·r) >= high, lo
     # fl(−left·r) >= −low; only rows whose largest product can reach the bound
-    reach = (left.abs() * right.abs().amax(1, keepdim=True)).reshape(-1)
+    reach = (left.abs() * sorted_rows.largest[:, None]).reshape(-1)
     rows, flips, thresholds = [], [], []
     for bound, flipped in ((high, False), (-low, True)):
         if math.isfinite(bound):
@@ -215,12 +303,11 @@ def _rank_one_2d(part: RankOne, axis: _Axis, groups: Tensor, n_groups: int) -> T
             flips.append(torch.full(reaching.shape, flipped, device=device))
             thresholds.append(left.new_full(reaching.shape, bound))
     row, flip, threshold = torch.cat(rows), torch.cat(flips), torch.cat(thresholds)
-    sorted_rows = _SortedRows.build(right, with_order=True)
     order = sorted_rows.order
     assert order is not None  # asked for
     sample = row // width_o
-    found, mirrored = sorted_rows.count(sample, left.reshape(-1).index_select(0, row),
-                                        threshold, flip)
+    found, mirrored = (torch.as_tensor(t) for t in sorted_rows.count(
+        sample, left.reshape(-1).index_select(0, row), threshold, flip))
     hits = int(found.sum())
     if hits > b * width_o * width_i * _SCREEN_WORK:  # mostly outer: class them all
         return None

@@ -83,6 +83,9 @@ class OuterProductGrads(ModuleGrads):
                         ) -> tuple[list[Tensor], Tensor]:
         x, g = self.patches(lo, hi)
         x = x.abs() if absolute else x
+        if self.groups == 1:  # one matmul each: einsum's planning costs as much on small ones
+            rows = x.reshape(-1, self.I)
+            return [(rows @ w[0].T).view(*x.shape[:3], -1) for w in weights], g
         return [torch.einsum("bgti,goi->bgto", x, w) for w in weights], g
 
     def _weight_shaped(self, w: Tensor) -> Tensor:
