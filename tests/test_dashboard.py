@@ -210,3 +210,18 @@ def test_cli_bad_path_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is a project folder; pass one of its runs" in err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_values_stored_with_a_note_are_drawn_as_rings(tmp_path):
+    # a HessMaxEV that did not converge is a lower bound, not a value like the others
+    scope = deepscope.Scope(tmp_path, "ev", schedule=deepscope.never, anomalies=False)
+    scope.writer.submit_quantities([
+        QuantityValue("HessMaxEV", step, value=3.0 + step,
+                      meta={"note": "Lanczos did not converge"} if step in (1, 3) else {})
+        for step in range(5)])
+    scope.close()
+    fig = plot_dashboard(scope.run_dir)
+    ax = _axes_of(fig, "HessMaxEV")
+    assert "(2 noted: rings)" in _line(ax, "HessMaxEV").get_label()
+    rings = [line for line in ax.get_lines() if line.get_markerfacecolor() == "white"]
+    assert len(rings) == 1 and list(rings[0].get_xdata()) == [1, 3]

@@ -192,3 +192,27 @@ def test_the_instruments_answer_is_built_once_per_run_version(
     os.utime(store, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # as a commit does
     instruments.cached_dashboard(rd, "")
     assert len(built) == 5 * len(PANELS)
+
+
+def test_values_stored_with_a_note_are_rings_with_the_note_in_their_hover(tmp_path: Path) -> None:
+    # HessMaxEV whose Lanczos did not converge is a lower bound: it must not look like the
+    # converged values beside it
+    lower = "Lanczos did not converge within lanczos_iter=10 iterations: a lower bound"
+    scope = deepscope.Scope(tmp_path, run="ev", schedule=deepscope.never)
+    scope.writer.submit_quantities([
+        QuantityValue("HessMaxEV", step, "", value, None,
+                      {"converged": step != 2, **({"note": lower} if step == 2 else {})})
+        for step, value in enumerate([3.0, 3.5, 3.2, 3.9])])
+    scope.close()
+    fig = render_panel(ProjectData(tmp_path).run("ev"), PANELS["hessmaxev"], "")
+    trace = fig["data"][0]
+    assert trace["marker"]["symbol"] == ["circle", "circle", "circle-open", "circle"]
+    assert "did not converge" in trace["customdata"][2] and trace["customdata"][0] == ""
+    assert "%{customdata}" in trace["hovertemplate"]
+    assert "HessMaxEV: 1 of 4 values noted" in fig["layout"]["annotations"][0]["text"]
+    # without notes the trace is as before
+    scope = deepscope.Scope(tmp_path, run="plain", schedule=deepscope.never)
+    scope.writer.submit_quantities([QuantityValue("HessMaxEV", 0, "", 3.0, None, {})])
+    scope.close()
+    trace = render_panel(ProjectData(tmp_path).run("plain"), PANELS["hessmaxev"], "")["data"][0]
+    assert "symbol" not in trace["marker"] and "customdata" not in trace

@@ -24,13 +24,15 @@ class Series:
     """One scalar over steps: a quantity of one layer, or a KPI.
 
     values are NaN where the value is missing or not finite; `reason` is the last stored
-    explanation of a missing value ("" if none).
+    explanation of a missing value ("" if none); `noted` marks the values stored with a note
+    (e.g. HessMaxEV's lower bound where Lanczos did not converge), None when none is.
     """
 
     name: str
     steps: np.ndarray
     values: np.ndarray
     reason: str = ""
+    noted: np.ndarray | None = None
 
     @property
     def finite(self) -> np.ndarray:
@@ -104,8 +106,10 @@ class DashboardData:
         rows = q[(q["name"] == name) & (q["layer"] == layer)]
         if len(rows):
             reasons = [m.get("reason", "") for m in rows["meta"] if m.get("reason")]
-            return Series(name, rows["step"].to_numpy(np.int64),
-                          rows["value"].to_numpy(np.float64), reasons[-1] if reasons else "")
+            values = rows["value"].to_numpy(np.float64)
+            noted = np.array([bool(m.get("note")) for m in rows["meta"]]) & np.isfinite(values)
+            return Series(name, rows["step"].to_numpy(np.int64), values,
+                          reasons[-1] if reasons else "", noted if noted.any() else None)
         k = self._kpis
         rows = k[k["name"] == name].sort_values("step")
         if len(rows) and layer == "":

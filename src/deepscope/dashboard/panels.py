@@ -141,9 +141,14 @@ def _line(ax: Axes, s: Series, color: str) -> Series:
     label = s.name if last is None else f"{s.name}: {last:.3g}"
     if (~ok).any():
         label += f" ({int((~ok).sum())} missing)"
+    if s.noted is not None:
+        label += f" ({int(s.noted.sum())} noted: rings)"
     marker = "o" if ok.sum() <= FEW_POINTS else None
     # NaN breaks the line: a gap shows where values are missing
     ax.plot(s.steps, s.values, color=color, marker=marker, ms=3, lw=1.5, label=label, zorder=2)
+    if s.noted is not None:  # values stored with a note, e.g. a lower bound: not like the rest
+        ax.plot(s.steps[s.noted], s.values[s.noted], ls="none", marker="o", ms=7, mfc="white",
+                mec=color, zorder=3)
     if (~ok).any():
         ax.plot(s.steps[~ok], np.zeros(int((~ok).sum())), ls="none", marker="x", color=MISSING,
                 transform=ax.get_xaxis_transform(), clip_on=False, zorder=3)

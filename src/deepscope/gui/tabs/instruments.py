@@ -6,6 +6,7 @@ only affects its own panel. A quantity the run did not record says "not tracked"
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ from ... import catalogue
 from .. import ids, ranks
 from ..axes import series_figure
 from ..data import ProjectData, RunData, fingerprint
-from ..figures import Figure, base_layout, line_trace, message_figure, note
+from ..figures import Figure, base_layout, line_trace, message_figure, note, plain
 from ..guard import contained, error_box, error_figure
 from ..widgets import chart_box, dropdown, labelled, lazy_figures
 from . import Tab, gate
@@ -78,7 +79,7 @@ def render_panel(rd: RunData, panel: Panel, layer: str) -> Figure:
     """The figure of one panel for one run and layer ("" = whole model)."""
     if panel.names == ("GradHist1d",):
         return _histogram_panel(rd, panel, layer)
-    left, right, used_layers, missing = [], [], set(), []
+    left, right, used_layers, missing, remarks = [], [], set(), [], []
     for i, name in enumerate(panel.names):
         rows, used = _series(rd, name, layer)
         if rows.empty:
@@ -88,6 +89,9 @@ def render_panel(rd: RunData, panel: Panel, layer: str) -> Figure:
         trace = line_trace(name, rows["step"], rows["value"], i)
         if panel.markers:
             trace["mode"] = "markers"
+        noted = _mark_noted(trace, rows)
+        if noted:
+            remarks.append(f"{name}: {noted}")
         (right if name in panel.right else left).append(trace)
         if rows["value"].notna().sum() == 0:
             reason = _missing_reason(rows)
@@ -99,8 +103,33 @@ def render_panel(rd: RunData, panel: Panel, layer: str) -> Figure:
                               panel.title, height=panel.height)
     title = panel.title + ("" if not layer else f" · {layer}" if used_layers == {layer}
                            else " · whole model")
+    if missing:
+        remarks.insert(0, "not tracked: " + ", ".join(missing))
     return series_figure(title, left or right, right if left else (), height=panel.height,
-                         remark="not tracked: " + ", ".join(missing) if missing else "")
+                         remark="; ".join(remarks))
+
+
+def _mark_noted(trace: dict[str, Any], rows: pd.DataFrame) -> str:
+    """Draw the values stored with a note (HessMaxEV's Lanczos that did not converge: a
+    lower bound; a quantity that assumes plain SGD) as hollow rings with the note in their
+    hover; return what the panel's remark says of them ("" when none has a note)."""
+    notes = {int(s): m["note"] for s, m, v in zip(rows["step"], rows["meta"], rows["value"])
+             if isinstance(m, dict) and m.get("note") and np.isfinite(v)}
+    if not notes:
+        return ""
+    shown = [notes.get(int(x)) for x in trace["x"]]
+    # a long series is drawn without markers: there only the noted points get one
+    size = trace["marker"]["size"] if "markers" in trace["mode"] else 0
+    trace["mode"] = "markers" if trace["mode"] == "markers" else "lines+markers"
+    trace["marker"] = {**trace["marker"],
+                       "symbol": ["circle-open" if n else "circle" for n in shown],
+                       "size": [10 if n else size for n in shown]}
+    trace["customdata"] = ["".join("<br>" + plain(line) for line in textwrap.wrap(n, 70))
+                           if n else "" for n in shown]
+    trace["hovertemplate"] = trace["hovertemplate"].replace(
+        "<extra>", "%{customdata}<extra>")
+    return (f"{len(notes)} of {int(rows['value'].notna().sum())} values noted (rings; "
+            "hover for why)")
 
 
 def _kpi_traces(rd: RunData, start: int) -> list[dict[str, Any]]:
