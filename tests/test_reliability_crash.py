@@ -33,15 +33,23 @@ def run_stress(module: str, *args: str) -> dict:
 
 
 def test_kill_9_at_random_moments_loses_no_committed_step(tmp_path):
-    figures = run_stress("kill_resume", "--kills", "24", "--lanes", "4", "--root",
-                         str(tmp_path))
-    assert figures["problems"] == []
-    assert figures["kills"] >= 20
-    # The kills hit working writers: steps were committed and reported before kills, and at
-    # least one kill caught a step in flight (its KPIs or rows committed, not reported).
-    assert figures["steps_reported"] > 0 and figures["kills_mid_step"] > 0
-    # Every step on disk was checked whole, reported or not.
-    assert figures["steps_verified"] >= figures["steps_reported"]
+    # A kill lands between a step's commit and its report only now and then (the window is
+    # short): another seed runs until one has, at most 3 in all.
+    mid_step = 0
+    for seed in range(3):
+        figures = run_stress("kill_resume", "--kills", "24", "--lanes", "4", "--seed",
+                             str(seed), "--root", str(tmp_path / f"seed{seed}"))
+        assert figures["problems"] == []
+        assert figures["kills"] >= 20
+        # The kills hit working writers: steps were committed and reported before kills.
+        assert figures["steps_reported"] > 0
+        # Every step on disk was checked whole, reported or not.
+        assert figures["steps_verified"] >= figures["steps_reported"]
+        mid_step += figures["kills_mid_step"]
+        if mid_step:
+            break
+    # at least one kill caught a step in flight (its KPIs or rows committed, not reported)
+    assert mid_step > 0
 
 
 def test_reader_polls_while_writers_record_at_full_rate(tmp_path):
