@@ -2,7 +2,7 @@
 `rec.loss(per_sample=)` every step costs on steps the schedule does not choose, and what
 `Scope()`'s defaults cost on it (issue #19).
 
-    PYTHONPATH=src python benchmarks/unrecorded_steps.py [--blocks 30] [--block 50]
+    PYTHONPATH=src python benchmarks/unrecorded_steps.py [--blocks 30] [--block 50] [--breakdown]
 
 MLP 784-256-256-10, batch 128, one torch thread, SGD. Arms: plain training;
 `Scope(schedule=never, anomalies=False)`; the same with the default health check
@@ -19,6 +19,11 @@ plain turn of the same round. Prints, per arm and clock, the median ratio, its s
 the rounds (25th-75th percentile) and the 95% confidence interval of the median (order
 statistics), and whether the issue's target is met: "with margin" when the whole interval is
 within it. The targets are for the wall clock; on a loaded machine read the thread clock.
+
+`--breakdown` also times each step of the `Scope()` defaults arm on the training thread's CPU
+clock and prints the mean by position in its 10-step cycle, over the plain step's mean: the
+recorded step, each of the 4 steps after it (they run while the writer summarises and
+commits it) and the other 5, and each part's share of the arm's overhead.
 """
 
 from __future__ import annotations
@@ -90,11 +95,30 @@ def _spread(values: list[float]) -> tuple[float, float, float, float, float]:
     return statistics.median(values), q[0], q[2], ordered[lo], ordered[hi]
 
 
-def main() -> None:
+def breakdown(by_position: list[list[float]], plain: float) -> str:
+    """The defaults arm's training-thread CPU per step by position in its 10-step cycle
+    (`by_position[k]`: seconds of the steps k after a recorded one), over `plain` (seconds of
+    a plain step), and the share of the overhead of: the recorded step, the 4 after it, the
+    other 5."""
+    ratio = [statistics.mean(v) / plain if v else math.nan for v in by_position]
+    excess = [r - 1 for r in ratio]
+    total = sum(excess)
+    parts = {"recorded step": excess[0], "the 4 after it": sum(excess[1:5]),
+             "the other 5": sum(excess[5:])}
+    return ("Scope() defaults, training-thread CPU by step (x plain): recorded "
+            f"{ratio[0]:.2f}, the 4 after it {' '.join(f'{r:.2f}' for r in ratio[1:5])}, the "
+            f"other 5 {statistics.mean(ratio[5:]):.3f} (mean); share of the overhead: "
+            + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in parts.items()))
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=30, help="rounds (default 30)")
     parser.add_argument("--block", type=int, default=50, help="steps per turn (default 50)")
-    args = parser.parse_args()
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also the defaults arm's CPU per step by position after a "
+                             "recorded step")
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = _model()
@@ -108,15 +132,24 @@ def main() -> None:
                                              schedule=never),
                 "Scope() defaults": _scoped(_sharing_parameters(model), root, "defaults")}
         times: dict[str, list[dict[str, float]]] = {k: [] for k in arms}
+        # defaults arm: thread CPU of each step, by position after a recorded step (every(10)
+        # records the steps n with n % 10 == 0)
+        by_position: list[list[float]] = [[] for _ in range(10)]
         order = list(arms)
         done = 0
         for rnd in range(args.blocks + 2):  # the first two rounds warm up
             for name in order:
                 step, drain, _ = arms[name]
+                timed = args.breakdown and rnd >= 2 and name == "Scope() defaults"
                 start = {c: f() for c, f in CLOCKS.items()}
                 for _ in range(args.block):
                     x, y = batches[done % len(batches)]
-                    step(done, x, y)
+                    if timed:
+                        t0 = time.thread_time()
+                        step(done, x, y)
+                        by_position[done % 10].append(time.thread_time() - t0)
+                    else:
+                        step(done, x, y)
                     done += 1
                 drain()
                 if rnd >= 2:
@@ -140,6 +173,8 @@ def main() -> None:
                        else "missed")
             print(f"  {c:8s} {med:.3f} [{q25:.3f}-{q75:.3f}]  median's 95% CI {lo:.3f}-{hi:.3f}"
                   f"  {verdict}")
+    if args.breakdown:
+        print(breakdown(by_position, statistics.mean(t["thread"] for t in plain)))
 
 
 if __name__ == "__main__":

@@ -94,16 +94,26 @@ def test_checkpoints_run_beside_the_writer_not_in_its_commits(tmp_path, monkeypa
         assert limit == writer_module.WAL_LIMIT_PAGES
         record(scope, range(12))
         scope.flush()
-        for _ in range(200):  # the checkpointer runs on its own thread: wait for it
-            if writer.checkpointer.checkpoints >= 1:
+        alone = tmp_path / "alone.sqlite"  # the database file without its -wal
+
+        def steps_in_the_file_alone() -> int:
+            alone.write_bytes(db.read_bytes())
+            con = sqlite3.connect(alone)
+            try:
+                return con.execute("SELECT count(*) FROM steps").fetchone()[0]
+            except sqlite3.DatabaseError:  # copied while a checkpoint wrote it: look again
+                return 0
+            finally:
+                con.close()
+
+        # The checkpointer runs on its own thread; the first checkpoint may have run after
+        # step 0 alone, the next may still be running: wait for one that holds 4 steps.
+        for _ in range(200):
+            if writer.checkpointer.checkpoints >= 1 and steps_in_the_file_alone() >= 4:
                 break
             time.sleep(0.05)
         assert writer.checkpointer.checkpoints >= 1
-        alone = tmp_path / "alone.sqlite"  # the database file without its -wal
-        alone.write_bytes(db.read_bytes())
-        con = sqlite3.connect(alone)
-        assert con.execute("SELECT count(*) FROM steps").fetchone()[0] >= 4
-        con.close()
+        assert steps_in_the_file_alone() >= 4
     assert not (tmp_path / "r" / "rank0.sqlite-wal").exists() or \
         (tmp_path / "r" / "rank0.sqlite-wal").stat().st_size == 0
     assert deepscope.open_run(tmp_path / "r").steps() == list(range(12))
