@@ -27,6 +27,17 @@ from .histogram_cases import (
 )
 
 
+@pytest.fixture(autouse=True, params=["torch", "numpy"])
+def counter(request, monkeypatch) -> str:
+    """Every test on both CPU paths: torch's sign counting (what an accelerator and big
+    tensors take) and NumPy's small-tensor path (`_small_counts`, e.g. a Linear bias)."""
+    if request.param == "torch":
+        monkeypatch.setattr(D, "_SMALL_ELEMENTS", 0)
+    else:
+        monkeypatch.setattr(D, "_SMALL_ELEMENTS", 1 << 30)
+    return request.param
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("nonfinite", [True, False])  # NaN takes another code path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -119,3 +130,26 @@ def test_2d_counts_added_sample_by_sample_equal_numpy(monkeypatch, chunk: int) -
                                   R.histogram_2d(T, G, (40, 50), ((-1, 1), (-2, 2))))
     assert result.counts.sum() + sum(result.extras.values()) == G.size
     assert hist.table() is hist.table()  # folded once: a second table adds nothing
+
+
+def test_small_and_large_parts_of_one_2d_histogram_add_up(monkeypatch) -> None:
+    """GradHist2d fed parts of which some take the NumPy small-tensor path and others the
+    torch path (their sign counts tallied per column and folded at the end), in any
+    order: the counts equal numpy's for all the samples."""
+    from deepscope.instruments.histograms import GradHistogram
+
+    monkeypatch.setattr(D, "_SMALL_ELEMENTS", 100)  # a 1-sample part (54) is small, 5 not
+    gen = torch.Generator().manual_seed(9)
+    theta = torch.rand(6, 9, generator=gen, dtype=torch.float64) * 2.4 - 1.2
+    px, gy = Bins(40, -1.0, 1.0), Bins(50, -2.0, 2.0)
+    g = torch.randn(13, 6, 9, generator=gen, dtype=torch.float64) * 0.02
+    g[0, 0, :3] = torch.tensor([3.0, -0.0, math.nan])
+    g[6, 2, :3] = torch.tensor([-math.inf, 0.08, -0.08])
+    hist = GradHistogram(gy, theta, px)
+    for lo, hi in ((0, 1), (1, 6), (6, 7), (7, 12), (12, 13)):
+        hist.add(g[lo:hi])
+    G, T = g.reshape(13, -1).numpy(), theta.reshape(-1).numpy()
+    result = hist.result()
+    np.testing.assert_array_equal(result.counts,
+                                  R.histogram_2d(T, G, (40, 50), ((-1, 1), (-2, 2))))
+    assert result.counts.sum() + sum(result.extras.values()) == G.size

@@ -147,7 +147,7 @@ class _Counting:
     def fresh(self) -> dict[str, Any]:
         engine = self.engine
         names = engine._hooked[self.index].names
-        return {local: engine._new_counter() for local, name in names.items()
+        return {local: engine._new_counter(name) for local, name in names.items()
                 if engine._new_counter is not None and len(engine._owners[name]) == 1}
 
     def done(self, counters: dict[str, Any]) -> None:
@@ -285,10 +285,10 @@ class PerSampleEngine:
         self._new_counter = None
         self._reset_step_state()
 
-    def count_in_sweeps(self, new_counter: Callable[[], Any]) -> None:
+    def count_in_sweeps(self, new_counter: Callable[[str], Any]) -> None:
         """Count per-sample gradients while statistics materialise them anyway: each
-        parameter of one module, in a step of one registered loss, gets a `new_counter()`
-        (with `.add(part)`, e.g. a histogram) fed by its module's materialising sweep;
+        parameter of one module, in a step of one registered loss, gets a `new_counter(its
+        name)` (with `.add(part)`, e.g. a histogram) fed by its module's materialising sweep;
         once the sweep went through the batch it is in `swept`, and `per_sample_parts(skip=
         swept)` need not materialise those again. Call before the step's first statistic;
         `clear` turns it off."""

@@ -30,7 +30,6 @@ import contextlib
 import re
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import torch
@@ -46,7 +45,6 @@ from .batch import Batch
 from .config import check_curvature_mode, resolve_quantities
 from .engine import PerSampleEngine
 from .global_batch import REPLICATED, GlobalStep
-from .histograms import GradHistogram
 from .histograms.per_step import (
     HIST2D_BINS,
     HIST2D_RANGE,
@@ -54,6 +52,7 @@ from .histograms.per_step import (
     HistogramSettings,
     histogram_pass,
     histogram_values,
+    sweep_counters,
 )
 from .quantities import (
     cabs,
@@ -469,9 +468,9 @@ class Instruments:
         if update is not None and not self._sharded:
             state.update_sizes = layer_norms(update)
         if batch is not None and self.reducer is None:
-            if due & HISTOGRAM_NAMES == {"GradHist1d"} and self._histograms.bins is not None:
-                # counted while the statistics materialise gᵢ: no second pass, none kept
-                self._engine.count_in_sweeps(partial(GradHistogram, self._histograms.bins))
+            counters = sweep_counters(self._histograms, due, self._names, state.theta)
+            if counters is not None:  # counted while the statistics materialise gᵢ: no
+                self._engine.count_in_sweeps(counters)  # second pass, none kept for one
             # a failure here is reported by each quantity that needs the products
             with contextlib.suppress(Exception):
                 self._want_dots(state, batch, update)

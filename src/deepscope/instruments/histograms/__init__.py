@@ -34,7 +34,14 @@ from .bins import (
     _work_dtype,
     symmetric_bins,
 )
-from .dense import ColumnSigns, _flat_rows, _grouped_counts, _materialised
+from .dense import (
+    ColumnSigns,
+    _flat_rows,
+    _grouped_counts,
+    _is_small,
+    _materialised,
+    _small_counts,
+)
 from .rank_one import _rank_one_1d, _rank_one_2d
 
 __all__ = ["EXTRAS", "Bins", "GradHistogram", "Histogram", "RankOne", "finite_abs_max",
@@ -85,11 +92,16 @@ class GradHistogram:
             counts = (_rank_one_1d(part, axis) if groups is None
                       else _rank_one_2d(part, axis, groups, n_groups))
         if counts is None:
-            if groups is not None and (self._tally is None or self._tally.axis is not axis):
-                self._fold()  # (a part of another dtype: another axis)
-                self._tally = ColumnSigns(axis, groups, n_groups)
             for chunk in _materialised(part):
-                more = _grouped_counts(_flat_rows(chunk), axis, groups, n_groups, self._tally)
+                rows = _flat_rows(chunk)
+                if _is_small(rows):
+                    more = _small_counts(rows, axis, groups, n_groups)
+                else:
+                    if groups is not None and (self._tally is None
+                                               or self._tally.axis is not axis):
+                        self._fold()  # (a part of another dtype: another axis)
+                        self._tally = ColumnSigns(axis, groups, n_groups)
+                    more = _grouped_counts(rows, axis, groups, n_groups, self._tally)
                 counts = more if counts is None else counts + more
         if counts is not None:
             self._counts = counts if self._counts is None else self._counts + counts

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -28,6 +29,9 @@ _BLOCK = 128  # values per block when screening a chunk for outer values
 # this fraction they are all classed directly
 _SAMPLE_STRIDE = 61
 _DENSE = 0.25
+# up to this many elements on the CPU (a Linear bias: B × out), `_small_counts` in NumPy:
+# the sign-counting path's dozen torch ops cost more in per-call overhead than the values
+_SMALL_ELEMENTS = 1 << 16
 
 
 def _outer_positions(flat: Tensor, low: float, high: float, has_nan: bool) -> Tensor | None:
@@ -160,6 +164,40 @@ def _grouped_counts(
     _add_sign_classes(counts, axis, signed, nonzero,
                       torch.tensor(float(inner), dtype=torch.float64, device=device))
     return counts
+
+
+def _is_small(grads: Tensor) -> bool:
+    """Whether `grads` (rows, D) is counted by `_small_counts`."""
+    return (grads.device.type == "cpu" and grads.numel() <= _SMALL_ELEMENTS
+            and grads.dtype in (torch.float32, torch.float64))
+
+
+def _small_counts(grads: Tensor, axis: _Axis, groups: Tensor | None, n_groups: int) -> Tensor:
+    """`_grouped_counts` of a small CPU tensor (`_is_small`) in NumPy, the same classes:
+    values strictly inside the zone by their sign's class, the others by `axis.classify`.
+    Returns (n_groups, bins + 5) float64 counts (exact integers)."""
+    values = grads.detach().numpy()
+    low, high = axis.zone
+    n_classes = axis.bins.count + len(EXTRAS)
+    counts = np.zeros((n_groups, n_classes))
+    with np.errstate(invalid="ignore"):  # NaN compares False: outer
+        inside = (values > low) & (values < high)
+    sides = (inside & (values < 0), values == 0, inside & (values > 0))  # 0 is always inside
+    columns = groups.numpy() if groups is not None else None
+    for cls, side in zip(axis.sign_classes, sides):
+        if columns is None:
+            counts[0, cls] += np.count_nonzero(side)
+        else:
+            counts[:, cls] += np.bincount(columns, weights=np.count_nonzero(side, axis=0),
+                                          minlength=n_groups)
+    outer = ~inside
+    if outer.any():
+        rows, where = np.nonzero(outer)
+        key = axis.classify(torch.from_numpy(values[rows, where])).numpy()
+        if columns is not None:
+            key = key + columns[where] * n_classes
+        counts += np.bincount(key, minlength=n_groups * n_classes).reshape(n_groups, n_classes)
+    return torch.from_numpy(counts)
 
 
 def _add_sign_classes(counts: Tensor, axis: _Axis, signed: Tensor, nonzero: Tensor,

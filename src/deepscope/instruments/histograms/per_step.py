@@ -4,6 +4,7 @@ both histograms of a step from one pass over the per-sample gradients, and their
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import reduce
 from operator import add
@@ -83,6 +84,42 @@ def local_abs_max(batch: Batch) -> float:
                           if n not in batch.unavailable())
 
 
+@dataclass(frozen=True)
+class SweptHistograms:
+    """The step's due histograms (name -> counter) of one parameter tensor, counted on
+    the way by a statistics sweep (`PerSampleEngine.count_in_sweeps`)."""
+
+    counters: dict[str, GradHistogram]
+
+    def add(self, part: Tensor) -> None:
+        for counter in self.counters.values():
+            counter.add(part)
+
+
+def sweep_counters(
+    settings: HistogramSettings, due: frozenset[str], names: list[str],
+    theta: list[Tensor] | None,
+) -> Callable[[str], SweptHistograms] | None:
+    """For `PerSampleEngine.count_in_sweeps`: parameter name -> new counters of the due
+    histograms (θ by `names`, for GradHist2d); None when none is due, or GradHist1d's
+    range is "adaptive" (the bound needs a pass of its own first)."""
+    due = HISTOGRAM_NAMES & due
+    if not due or ("GradHist1d" in due and settings.bins is None) or (
+            "GradHist2d" in due and theta is None):
+        return None
+    values = dict(zip(names, theta or []))
+    param_bins, grad_bins = settings.hist2d
+
+    def new(pname: str) -> SweptHistograms:
+        counters = {}
+        if "GradHist1d" in due and settings.bins is not None:
+            counters["GradHist1d"] = GradHistogram(settings.bins)
+        if "GradHist2d" in due:
+            counters["GradHist2d"] = GradHistogram(grad_bins, values[pname], param_bins)
+        return SweptHistograms(counters)
+    return new
+
+
 def histogram_counters(
     settings: HistogramSettings, batch: Batch, due: frozenset[str],
     theta: dict[str, Tensor] | None, bound: float | None = None,
@@ -101,10 +138,12 @@ def histogram_counters(
     values = theta or {}
     param_bins, grad_bins = settings.hist2d
     counters: dict[str, dict[str, GradHistogram]] = {name: {} for name in due}
-    # GradHist1d alone: what the statistics' sweeps counted already (count_in_sweeps)
-    swept = ({n: h for n, h in engine.swept.items() if n not in batch.unavailable()}
-             if due == {"GradHist1d"} and settings.bins is not None else {})
-    counters.get("GradHist1d", {}).update(swept)
+    # what the statistics' sweeps counted already (`sweep_counters`, of these histograms)
+    swept = {n: h for n, h in engine.swept.items() if n not in batch.unavailable()
+             and isinstance(h, SweptHistograms) and set(h.counters) == due}
+    for pname, histograms in swept.items():
+        for name, counter in histograms.counters.items():
+            counters[name][pname] = counter
     for pname, part in engine.per_sample_parts(skip=swept):
         if pname in batch.unavailable():
             continue

@@ -241,6 +241,9 @@ class ModuleGrads:
         (B, sets holding it) columns)."""
         if self._fused is None:
             counters = self.ctx.counting.fresh() if self.ctx.counting is not None else {}
+            # only what this sweep goes through: a member of a module's grads (an LSTM's
+            # input and recurrent halves) sweeps its own, and an unfed counter is not done
+            counters = {name: c for name, c in counters.items() if name in self.shapes}
             # kept for the histogram pass's reuse, unless counted here
             keep = not counters and self._kept is None and self.ctx.budget.take(self._nbytes())
             sq: dict[str, list[Tensor]] = {name: [] for name in self.shapes}
