@@ -200,8 +200,9 @@ def test_values_stored_with_a_note_are_rings_with_the_note_in_their_hover(tmp_pa
     lower = "Lanczos did not converge within lanczos_iter=10 iterations: a lower bound"
     scope = deepscope.Scope(tmp_path, run="ev", schedule=deepscope.never)
     scope.writer.submit_quantities([
-        QuantityValue("HessMaxEV", step, "", value, None,
-                      {"converged": step != 2, **({"note": lower} if step == 2 else {})})
+        QuantityValue("HessMaxEV", 4 * step, "", value, None,
+                      {"converged": step != 2, "every": 4,
+                       **({"note": lower} if step == 2 else {})})
         for step, value in enumerate([3.0, 3.5, 3.2, 3.9])])
     scope.close()
     fig = render_panel(ProjectData(tmp_path).run("ev"), PANELS["hessmaxev"], "")
@@ -209,7 +210,9 @@ def test_values_stored_with_a_note_are_rings_with_the_note_in_their_hover(tmp_pa
     assert trace["marker"]["symbol"] == ["circle", "circle", "circle-open", "circle"]
     assert "did not converge" in trace["customdata"][2] and trace["customdata"][0] == ""
     assert "%{customdata}" in trace["hovertemplate"]
-    assert "HessMaxEV: 1 of 4 values noted" in fig["layout"]["annotations"][0]["text"]
+    remark = fig["layout"]["annotations"][0]["text"]
+    # sparse points, not gaps; a lower bound, not a value like the others
+    assert "HessMaxEV: every 4th instrumented step, 1 of 4 values noted" in remark
     # without notes the trace is as before
     scope = deepscope.Scope(tmp_path, run="plain", schedule=deepscope.never)
     scope.writer.submit_quantities([QuantityValue("HessMaxEV", 0, "", 3.0, None, {})])

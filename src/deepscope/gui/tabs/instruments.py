@@ -89,9 +89,12 @@ def render_panel(rd: RunData, panel: Panel, layer: str) -> Figure:
         trace = line_trace(name, rows["step"], rows["value"], i)
         if panel.markers:
             trace["mode"] = "markers"
-        noted = _mark_noted(trace, rows)
-        if noted:
-            remarks.append(f"{name}: {noted}")
+        # a cadence (HessMaxEV in full): its sparser points are not gaps
+        every = max((m.get("every", 1) for m in rows["meta"] if isinstance(m, dict)), default=1)
+        said = [f"every {_ordinal(every)} instrumented step"] if every > 1 else []
+        said += [_mark_noted(trace, rows)]
+        if any(said):
+            remarks.append(f"{name}: {', '.join(p for p in said if p)}")
         (right if name in panel.right else left).append(trace)
         if rows["value"].notna().sum() == 0:
             reason = _missing_reason(rows)
@@ -107,6 +110,10 @@ def render_panel(rd: RunData, panel: Panel, layer: str) -> Figure:
         remarks.insert(0, "not tracked: " + ", ".join(missing))
     return series_figure(title, left or right, right if left else (), height=panel.height,
                          remark="; ".join(remarks))
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _mark_noted(trace: dict[str, Any], rows: pd.DataFrame) -> str:
@@ -128,8 +135,7 @@ def _mark_noted(trace: dict[str, Any], rows: pd.DataFrame) -> str:
                            if n else "" for n in shown]
     trace["hovertemplate"] = trace["hovertemplate"].replace(
         "<extra>", "%{customdata}<extra>")
-    return (f"{len(notes)} of {int(rows['value'].notna().sum())} values noted (rings; "
-            "hover for why)")
+    return f"{len(notes)} of {int(rows['value'].notna().sum())} values noted (rings, hover)"
 
 
 def _kpi_traces(rd: RunData, start: int) -> list[dict[str, Any]]:
