@@ -216,12 +216,14 @@ def test_values_stored_with_a_note_are_drawn_as_rings(tmp_path):
     # a HessMaxEV that did not converge is a lower bound, not a value like the others
     scope = deepscope.Scope(tmp_path, "ev", schedule=deepscope.never, anomalies=False)
     scope.writer.submit_quantities([
-        QuantityValue("HessMaxEV", step, value=3.0 + step,
-                      meta={"note": "Lanczos did not converge"} if step in (1, 3) else {})
+        QuantityValue("HessMaxEV", 4 * step, value=3.0 + step,
+                      meta={"every": 4, **({"note": "Lanczos did not converge"}
+                                            if step in (1, 3) else {})})
         for step in range(5)])
     scope.close()
     fig = plot_dashboard(scope.run_dir)
     ax = _axes_of(fig, "HessMaxEV")
-    assert "(2 noted: rings)" in _line(ax, "HessMaxEV").get_label()
+    label = _line(ax, "HessMaxEV").get_label()
+    assert "(2 noted: rings)" in label and "(every 4 instrumented steps)" in label
     rings = [line for line in ax.get_lines() if line.get_markerfacecolor() == "white"]
-    assert len(rings) == 1 and list(rings[0].get_xdata()) == [1, 3]
+    assert len(rings) == 1 and list(rings[0].get_xdata()) == [4, 12]

@@ -25,7 +25,8 @@ class Series:
 
     values are NaN where the value is missing or not finite; `reason` is the last stored
     explanation of a missing value ("" if none); `noted` marks the values stored with a note
-    (e.g. HessMaxEV's lower bound where Lanczos did not converge), None when none is.
+    (e.g. HessMaxEV's lower bound where Lanczos did not converge), None when none is;
+    `every`: computed on every such instrumented step (a cadence, e.g. HessMaxEV in full).
     """
 
     name: str
@@ -33,6 +34,7 @@ class Series:
     values: np.ndarray
     reason: str = ""
     noted: np.ndarray | None = None
+    every: int = 1
 
     @property
     def finite(self) -> np.ndarray:
@@ -108,8 +110,10 @@ class DashboardData:
             reasons = [m.get("reason", "") for m in rows["meta"] if m.get("reason")]
             values = rows["value"].to_numpy(np.float64)
             noted = np.array([bool(m.get("note")) for m in rows["meta"]]) & np.isfinite(values)
+            every = max((int(m.get("every", 1)) for m in rows["meta"]), default=1)
             return Series(name, rows["step"].to_numpy(np.int64), values,
-                          reasons[-1] if reasons else "", noted if noted.any() else None)
+                          reasons[-1] if reasons else "", noted if noted.any() else None,
+                          every)
         k = self._kpis
         rows = k[k["name"] == name].sort_values("step")
         if len(rows) and layer == "":

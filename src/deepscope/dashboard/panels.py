@@ -141,6 +141,8 @@ def _line(ax: Axes, s: Series, color: str) -> Series:
     label = s.name if last is None else f"{s.name}: {last:.3g}"
     if (~ok).any():
         label += f" ({int((~ok).sum())} missing)"
+    if s.every > 1:  # its sparser points are a cadence, not gaps
+        label += f" (every {s.every} instrumented steps)"
     if s.noted is not None:
         label += f" ({int(s.noted.sum())} noted: rings)"
     marker = "o" if ok.sum() <= FEW_POINTS else None
