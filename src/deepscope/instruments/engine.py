@@ -144,11 +144,12 @@ class _Counting:
     engine: PerSampleEngine
     index: int
 
-    def fresh(self) -> dict[str, Any]:
+    def fresh(self, swept: Collection[str]) -> dict[str, Any]:
         engine = self.engine
         names = engine._hooked[self.index].names
         return {local: engine._new_counter(name) for local, name in names.items()
-                if engine._new_counter is not None and len(engine._owners[name]) == 1}
+                if local in swept and engine._new_counter is not None
+                and len(engine._owners[name]) == 1}
 
     def done(self, counters: dict[str, Any]) -> None:
         names = self.engine._hooked[self.index].names

@@ -104,9 +104,9 @@ def _grouped_counts(
     """Class counts of every element of `grads` (rows, D), per group of columns.
 
     groups: (D,) group index of each column in [0, n_groups), or None for one group.
-    tally: with groups, where the values classed by sign alone are tallied (of the same
-        axis and groups), folded into counts by the caller (`ColumnSigns.fold`); None:
-        they are counted here.
+    tally: with groups (and only then), where the values classed by sign alone are
+        tallied (of the same axis and groups), folded into counts by the caller
+        (`ColumnSigns.fold`); without groups they are counted here.
     Returns (n_groups, bins + 5) float64 counts on the device (exact integers).
     """
     rows_total, width = grads.shape
@@ -116,9 +116,7 @@ def _grouped_counts(
     low, high = axis.zone
     n_classes = axis.bins.count + len(EXTRAS)
     counts = torch.zeros(n_groups * n_classes, dtype=torch.float64, device=device)
-    if groups is not None and tally is None:  # a tally of these rows alone, folded here
-        tally = ColumnSigns(axis, groups, n_groups)
-        return _grouped_counts(grads, axis, groups, n_groups, tally).add_(tally.fold())
+    assert (groups is None) == (tally is None), "a tally goes with groups, and only with them"
     # Σ sign and Σ sign² of the inner values: per column when grouped, else in total. Sums of
     # ±1 and 0 are exact in float32 up to 2^24 terms (a chunk, or B per column).
     signed, nonzero = ((tally.signed, tally.nonzero) if tally is not None else

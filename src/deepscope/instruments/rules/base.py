@@ -11,7 +11,7 @@ Notation: B batch size, gᵢ = ∇θ ℓᵢ the gradient of sample i's loss (not
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -101,8 +101,9 @@ class Counting(Protocol):
     step's histograms counted on the way, so that no later pass materialises those
     per-sample gradients again and none are kept for it."""
 
-    def fresh(self) -> dict[str, Any]:
-        """module-local parameter name -> a new counter (`.add(chunk)`) for those to count."""
+    def fresh(self, swept: Collection[str]) -> dict[str, Any]:
+        """module-local parameter name -> a new counter (`.add(chunk)`) for those of `swept`
+        (the module-local names the sweep goes through) to count."""
 
     def done(self, counters: dict[str, Any]) -> None:
         """The sweep went through every sample: `counters` are complete."""
@@ -240,10 +241,10 @@ class ModuleGrads:
         with `vector_sets`, that sweep also takes the dots (`self._swept_dots`, name ->
         (B, sets holding it) columns)."""
         if self._fused is None:
-            counters = self.ctx.counting.fresh() if self.ctx.counting is not None else {}
             # only what this sweep goes through: a member of a module's grads (an LSTM's
             # input and recurrent halves) sweeps its own, and an unfed counter is not done
-            counters = {name: c for name, c in counters.items() if name in self.shapes}
+            counters = (self.ctx.counting.fresh(self.shapes) if self.ctx.counting is not None
+                        else {})
             # kept for the histogram pass's reuse, unless counted here
             keep = not counters and self._kept is None and self.ctx.budget.take(self._nbytes())
             sq: dict[str, list[Tensor]] = {name: [] for name in self.shapes}
