@@ -57,6 +57,7 @@ class _Width(NamedTuple):
 
     width: int
     blocks: tuple[int, ...]     # the tensors, in stacking order
+    as_rows: bool               # all 2-D (rows, width): stacked as they are, else flattened
     size: int                   # elements of the matrix
     rows: slice                 # the matrix's rows in the row results
     runs: tuple[_Run, ...]
@@ -82,6 +83,7 @@ class _Plan:
         sample_of: dict[int, tuple[int, int]] = {}  # batched tensor -> (width, first row)
         col_batch: list[np.ndarray] = []
         self.widths: list[_Width] = []
+        self.direct = [False] * len(layout)
         done = n_cols = 0
         for width, idx in by_width.items():
             local = np.cumsum([0] + [n_rows[i] for i in idx]).tolist()
@@ -99,7 +101,10 @@ class _Plan:
                 if batched[i] and max_samples > 0:
                     sample_of[i] = (len(self.widths), len(samples))
                     samples += range(local[j], local[j] + min(n_rows[i], max_samples))
-            self.widths.append(_Width(width, tuple(idx), local[-1] * width,
+            as_rows = all(len(layout[i][0]) == 2 and not layout[i][1] for i in idx)
+            for i in idx:  # taken as they are (no reshape op): 2-D ones as rows, 1-D flat
+                self.direct[i] = len(layout[i][0]) == (2 if as_rows else 1) and not layout[i][1]
+            self.widths.append(_Width(width, tuple(idx), as_rows, local[-1] * width,
                                       slice(done, done + local[-1]), tuple(runs),
                                       tuple(samples)))
             done += local[-1]
@@ -213,13 +218,15 @@ _local = threading.local()
 
 
 def _work(plan: _Plan, dtype: torch.dtype, device: torch.device) -> _Work:
-    """This thread's `_Work` of `plan` (its buffers kept from the last layout if large
-    enough)."""
+    """This thread's `_Work` of `plan` on the host (its buffers kept from the last layout if
+    large enough: a fresh large allocation page-faults on every use); elsewhere a fresh one
+    (the caching allocator reuses memory there, and the training may need it back)."""
+    if device.type not in _HOST:
+        return _Work(plan, dtype, device, False, None)
     works = _local.__dict__.setdefault("works", {})
-    on_host = device.type in _HOST
-    old = works.get((device, dtype, on_host))
+    old = works.get((device, dtype))
     if old is None or old.plan is not plan:
-        works[device, dtype, on_host] = old = _Work(plan, dtype, device, on_host, old)
+        works[device, dtype] = old = _Work(plan, dtype, device, True, old)
     return old
 
 
@@ -241,12 +248,13 @@ def fused_summaries(tensors: list[tuple[torch.Tensor, int | None]], max_samples:
     plan = _plan(tuple((tuple(x.shape), bd) for x, bd in tensors), max_samples, max_neurons,
                  max_items, max_values)
     work = _work(plan, dtype, device)
-    flat = [x.reshape(-1) if not bd else x.movedim(bd, 0).reshape(-1) for x, bd in tensors]
+    inputs = [x if direct else x.reshape(-1) if not bd else x.movedim(bd, 0).reshape(-1)
+              for (x, bd), direct in zip(tensors, plan.direct)]
     samples: list[torch.Tensor | np.ndarray] = []   # of the widths with samples
     long_rows: list[slice] = []
     long_nz: list[torch.Tensor] = []
     for w, v in zip(plan.widths, work.widths):
-        torch.cat([flat[i] for i in w.blocks], out=v.cat)
+        torch.cat([inputs[i] for i in w.blocks], out=v.m if w.as_rows else v.cat)
         torch.sum(v.m, 1, keepdim=True, out=v.row_sum)
         _squared_deviation(v.m, torch.div(v.row_sum, w.width, out=v.row_mean), v.centred)
         torch.abs(v.m, out=v.absolute)
