@@ -245,8 +245,8 @@ def fused_summaries(tensors: list[tuple[torch.Tensor, int | None]], max_samples:
     """
     x0 = tensors[0][0]
     dtype, device = x0.dtype, x0.device
-    plan = _plan(tuple((tuple(x.shape), bd) for x, bd in tensors), max_samples, max_neurons,
-                 max_items, max_values)
+    plan = _plan(tuple((x.shape, bd) for x, bd in tensors), max_samples, max_neurons,
+                 max_items, max_values)  # a torch.Size hashes and compares as its tuple
     work = _work(plan, dtype, device)
     inputs = [x if direct else x.reshape(-1) if not bd else x.movedim(bd, 0).reshape(-1)
               for (x, bd), direct in zip(tensors, plan.direct)]
