@@ -145,6 +145,17 @@ class _Plan:
                 sample = (w, slice(s0, s0 + k), (k, max_values) if n_width[i] > max_values
                           else (k, *_item_shape(shape, bd)))
             self.samples.append(sample)
+        self._index: dict[torch.device | None, list[torch.Tensor | np.ndarray | None]] = {}
+
+    def sample_index(self, width: int, device: torch.device | None
+                     ) -> torch.Tensor | np.ndarray | None:
+        """The sample rows of a width's matrix (None: it has none), as a tensor on `device`,
+        or for NumPy (None); made once per device (no host-to-device copy per step)."""
+        if device not in self._index:
+            self._index[device] = [
+                None if not w.samples else np.array(w.samples) if device is None else
+                torch.tensor(w.samples, device=device) for w in self.widths]
+        return self._index[device][width]
 
 
 @functools.lru_cache(maxsize=16)
@@ -195,7 +206,7 @@ class _Work:
         self.col_out = self.buffers[2][:3 * plan.n_cols].view(3, plan.n_cols)
         self.host = (self.row_out.numpy(), self.col_out.numpy()) if on_host else None
         self.widths = []
-        for w in plan.widths:
+        for k, w in enumerate(plan.widths):
             planes = self.buffers[0][:3 * w.size].view(3, -1, w.width)
             m, centred, absolute = planes.unbind()
             r = self.row_out[:, w.rows]
@@ -206,8 +217,7 @@ class _Work:
                 runs.append((m[run.rows].view(shape), centred[run.rows].view(shape),
                              absolute[run.rows].view(shape), c[0], torch.empty_like(c[0]),
                              c[1], c[2]))
-            index = (None if not w.samples else np.array(w.samples) if on_host else
-                     torch.tensor(w.samples, device=device))
+            index = plan.sample_index(k, None if on_host else device)
             self.widths.append(_WidthWork(
                 m.view(-1), m, centred, absolute, planes[1:], r[0].unsqueeze(1),
                 torch.empty((m.shape[0], 1), dtype=dtype, device=device), r[1:3], r[3],
