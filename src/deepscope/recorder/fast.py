@@ -10,9 +10,9 @@ nonzero count, min, max) and, for the batched tensors of one batch size, five mo
 per-neuron views (column reductions). Each reduction writes straight into one result buffer,
 which comes to the host in one transfer (on the CPU NumPy reads it in place), where NumPy
 combines the rows per tensor in float64 (law of total variance: no E[x²] − E[x]²
-cancellation). The same shapes arrive every step, so where everything goes — the plan, and
-every view into the work buffers — is worked out once per layout. Same definitions as the
-general path; tests compare the two.
+cancellation). The same shapes arrive every step, so where everything goes (the plan; on the
+CPU also the work buffers and every view into them) is worked out once per layout. Same
+definitions as the general path; tests compare the two.
 """
 
 from __future__ import annotations
