@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from deepscope.recorder import fast
 from deepscope.recorder.fast import fused_summaries
 from deepscope.recorder.stats import array_views, small_summaries, tensor_stats
 from deepscope.recorder.summary import Capture, summarise_captures
@@ -49,19 +50,20 @@ def make(shape, scale, offset, dtype, seed=0):
     return xs
 
 
+@pytest.fixture(params=["in place", "transfer"])
+def path(request, monkeypatch):
+    """Both ways the fused path reaches the host: NumPy reading the CPU work buffers in
+    place, and the one-transfer copy a CUDA tensor takes (forced here on the CPU)."""
+    if request.param == "transfer":
+        monkeypatch.setattr(fast, "_HOST", ())
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_fused_equals_general(dtype):
+def test_fused_equals_general(dtype, path):
     # every case at once: parameters of several widths, batched tensors of two batch sizes
     # along different dims, 0-d and 1-D tensors, samples cut to max_values
-    pairs = []
-    for k, (shape, batch_dim, scale, offset) in enumerate(CASES):
-        for batch in ((6, 4) if batch_dim is not None else (None,)):
-            shape = list(shape)
-            if batch is not None:
-                shape[batch_dim] = batch
-            pairs += [(x, batch_dim) for x in make(tuple(shape), scale, offset, dtype, seed=k)]
-    pairs += [(torch.tensor(2.5, dtype=dtype), None), (torch.randn(9).to(dtype), None),
-              (torch.randn(5, 1).to(dtype), 0), (torch.zeros(3, 4, dtype=dtype), None)]
+    pairs = _mixed_pairs(dtype)
     kw = dict(max_samples=2, max_neurons=7, max_items=5, max_values=30)
     want = [general(x, bd, **kw) for x, bd in pairs]
     inputs = [(x.clone(), bd) for x, bd in pairs]
@@ -70,6 +72,83 @@ def test_fused_equals_general(dtype):
     for g, w in zip(got + alone, want + want[:1]):
         assert_same(as_torch(g), w)
     assert all(torch.equal(x, c) for (x, _), (c, _) in zip(pairs, inputs))  # inputs untouched
+
+
+def _mixed_pairs(dtype: torch.dtype, seed: int = 0) -> list[tuple[torch.Tensor, int | None]]:
+    pairs = []
+    for k, (shape, batch_dim, scale, offset) in enumerate(CASES):
+        for batch in ((6, 4) if batch_dim is not None else (None,)):
+            shape = list(shape)
+            if batch is not None:
+                shape[batch_dim] = batch
+            pairs += [(x, batch_dim) for x in make(tuple(shape), scale, offset, dtype,
+                                                      seed=k + 100 * seed)]
+    gen = torch.Generator().manual_seed(seed)
+    pairs += [(torch.tensor(2.5, dtype=dtype), None),
+              (torch.randn(9, generator=gen).to(dtype), None),
+              (torch.randn(5, 1, generator=gen).to(dtype), 0),
+              (torch.zeros(3, 4, dtype=dtype), None)]
+    return pairs
+
+
+def test_fused_paths_agree_bitwise(monkeypatch):
+    """The in-place and the transfer path give the same bits (the transfer is exact)."""
+    pairs = _mixed_pairs(torch.float32)
+    kw = dict(max_samples=2, max_neurons=7, max_items=5, max_values=30)
+    in_place = fused_summaries(pairs, **kw)
+    monkeypatch.setattr(fast, "_HOST", ())
+    for a, b in zip(in_place, fused_summaries(pairs, **kw)):
+        np.testing.assert_array_equal(a[0], b[0])
+        assert a[1].keys() == b[1].keys()
+        for k in a[1]:
+            assert a[1][k].dtype == b[1][k].dtype == np.float32
+            np.testing.assert_array_equal(a[1][k], b[1][k])
+
+
+def test_fused_layouts_alternating_keep_their_own_results(path):
+    """The plan and work buffers made once per layout: steps of alternating layouts and
+    dtypes, new values each time, each equal to the general path; and what a call returned
+    is not changed by the next (nothing shares the reused work buffers)."""
+    kw = dict(max_samples=2, max_neurons=7, max_items=5, max_values=30)
+    big = [(torch.randn(40, 30), None), (torch.randn(16, 30), 0)]  # a larger work set
+    calls = [_mixed_pairs(torch.float32, 1), big, _mixed_pairs(torch.float32, 2),
+             _mixed_pairs(torch.float64, 3), _mixed_pairs(torch.float32, 4), big]
+    kept = []
+    for pairs in calls:
+        got = fused_summaries(pairs, **kw)
+        kept.append((pairs, got, [(row.copy(), {k: v.copy() for k, v in views.items()})
+                                  for row, views in got]))
+        for g, (x, bd) in zip(got, pairs):
+            assert_same(as_torch(g), general(x, bd, **kw))
+    for _, got, copies in kept:
+        for (row, views), (row0, views0) in zip(got, copies):
+            np.testing.assert_array_equal(row, row0)
+            for k in views:
+                np.testing.assert_array_equal(views[k], views0[k])
+
+
+def test_fused_threads_use_their_own_work_buffers():
+    """The writer thread and another (a test, a second Scope) summarising at once."""
+    import threading
+    kw = dict(max_samples=2, max_neurons=7, max_items=5, max_values=30)
+    steps = [_mixed_pairs(torch.float32, s) for s in range(2)]
+    want = [[general(x, bd, **kw) for x, bd in pairs] for pairs in steps]
+    errors = []
+
+    def loop(k: int) -> None:
+        try:
+            for _ in range(15):
+                for g, w in zip(fused_summaries(steps[k], **kw), want[k]):
+                    assert_same(as_torch(g), w)
+        except AssertionError as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=loop, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
 
 
 def as_torch(summary: tuple) -> tuple:
@@ -186,10 +265,9 @@ def test_summarise_equals_reference_on_random_mixes(seed):
         assert_same((row, got_views), (want_row, want_views))
 
 
-def test_fused_counts_nonzero_exactly_in_long_rows(monkeypatch):
+def test_fused_counts_nonzero_exactly_in_long_rows(monkeypatch, path):
     """Rows of 2^24 elements or more count their nonzeros in float64 (float32 stops counting
     at 2^24); the threshold is lowered here so that the test stays small."""
-    import deepscope.recorder.fast as fast
     monkeypatch.setattr(fast, "_LONG_ROW", 8)
     x = torch.randn(3, 40)
     x[:, ::3] = 0
