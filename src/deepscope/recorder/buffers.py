@@ -7,12 +7,38 @@ back after summarising costs only the copy.
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
 
 _PER_KEY = 4       # spare buffers kept per (shape, dtype, device)
 _MAX_KEYS = 512    # distinct shapes kept; more means shapes change every step: keep none
+
+
+def is_private(tensor: torch.Tensor, refs: int) -> bool:
+    """Whether nobody but the caller can reach `tensor` or its memory, so that it can be kept
+    as it is instead of copied: the caller holds `refs` Python references to it, no other
+    tensor shares its storage (a view's base only through the view, e.g. a gradient that
+    autograd produced as a view), it needs no autograd graph, and it is contiguous (as the
+    copies are). False when any of this cannot be told: the caller then copies."""
+    if getattr(sys, "_is_gil_enabled", lambda: True)() is False:
+        return False  # free-threaded Python: reference counts are not exact
+    try:
+        # this frame's argument and getrefcount's own add two references
+        if (tensor.requires_grad or not tensor.is_contiguous()
+                or sys.getrefcount(tensor) != refs + 2 or tensor._use_count() != 1):
+            return False
+        storage_refs = torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+        if not tensor._is_view():
+            return storage_refs == 2  # the tensor and the storage object made here
+        base = tensor._base
+        # the view, its base and the storage object made here; the base held only by the
+        # view (and the Python object made here)
+        return (storage_refs == 3 and base._use_count() == 2
+                and sys.getrefcount(base) == 3)
+    except (AttributeError, RuntimeError, TypeError):  # another torch: those calls changed
+        return False
 
 
 class BufferPool:

@@ -16,6 +16,7 @@ from ..hookstate import hooks_paused
 from ..naming import named_leaves
 from ..records import QuantityValue, StepPayload, TensorInfo
 from ..store import limits
+from .buffers import is_private
 from .context import StepOutcome
 from .graph import (
     ModuleCall,
@@ -140,6 +141,7 @@ class StepRecorder:
         self._captures: list[Capture] = []
         self._copies: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._grads: dict[tuple[str, int], torch.Tensor] = {}
+        self._grad_versions: dict[tuple[str, int], int] = {}  # as received (see _snapshot_grads)
         self._activation_counts: dict[tuple[str, int], int] = {}
         # what module hooks saw of frozen modules: autograd has no edges from it
         self._module_calls: dict[tuple[str, int], ModuleCall] = {}
@@ -382,7 +384,12 @@ class StepRecorder:
             self._attach_saved()
         key = (name, iteration)
         prev = self._grads.get(key)
-        self._grads[key] = grad.detach() if prev is None else prev + grad.detach()
+        # The gradient itself is kept, not a detached alias of it: while it is held,
+        # AccumulateGrad cannot adopt it as the parameter's .grad (which clip_grad_norm_ or
+        # the next step's accumulation change in place) and gives .grad a copy of its own.
+        grad = grad if prev is None else prev + grad
+        self._grads[key] = grad
+        self._grad_versions[key] = grad._version
 
     def _record_values(self, records: list[tuple[str, str, int, torch.Tensor, int | None]]
                        ) -> None:
@@ -446,8 +453,28 @@ class StepRecorder:
         return cached
 
     def _snapshot_grads(self, direction: str) -> None:
-        self._record_values([(name, direction, it, grad, self._infos[name].batch_dim)
-                             for (name, it), grad in self._grads.items()])
+        """Capture the gradients received so far: kept as they are where nobody else can
+        reach them (autograd's own, after backward: no copy), else copied."""
+        records = []
+        infos, versions = self._infos, self._grad_versions
+        for key in list(self._grads):  # (an items() iterator would hold a reference)
+            grad = self._grads[key]
+            name, it = key
+            if grad._version != versions[key]:
+                # a hook of the user's changed it in place after ours ran: the gradient
+                # backward produced is gone
+                self._ctx.warn_once(f"the gradient of {name!r} was changed in place after "
+                                    "deepscope received it (by a tensor hook?); it is not "
+                                    "recorded at this step")
+                continue
+            info = infos[name]
+            # two references: the dict's and `grad`
+            if is_private(grad, 2):
+                self._captures.append(Capture(name, direction, it, grad, info.batch_dim,
+                                              info.role == "parameter"))
+            else:
+                records.append((name, direction, it, grad, info.batch_dim))
+        self._record_values(records)
 
     def _remove_hooks(self) -> None:
         for h in self._hooks:
