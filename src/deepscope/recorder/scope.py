@@ -159,6 +159,7 @@ class Scope:
         self._module_hooks: list[Any] = []
         self._stance: Any = None  # the force_eager stance of the open step, to restore
         self._graph_cache: dict = {}
+        self._infos: dict = {}  # TensorInfo by description, across steps (StepContext.infos)
         self.buffers = BufferPool()
         self._current: StepRecorder | None = None
         self._context: tuple[tuple, StepContext] | None = None  # see _step_context
@@ -415,8 +416,8 @@ class Scope:
             self._context = (key, StepContext(
                 scope=self, begin=self._enter, end=self._end, guard=self._guard,
                 warn_once=self._warn_once, params=self._params, param_nodes=self._param_nodes,
-                graph_cache=self._graph_cache, buffers=self.buffers, monitor=self.monitor,
-                instruments=self.instruments, keep_if=self.keep_if,
+                graph_cache=self._graph_cache, infos=self._infos, buffers=self.buffers,
+                monitor=self.monitor, instruments=self.instruments, keep_if=self.keep_if,
                 max_samples=self.max_samples, max_neurons=self.max_neurons,
                 singular_values=self.singular_values, exact_views=self.exact_views))
         return self._context[1]

@@ -36,6 +36,7 @@ ROLES = ("input", "target", "activation", "output", "loss", "parameter")
 _BATCHED_ROLES = ("input", "target", "activation", "output", "loss")
 AUTO = "auto"
 _MAX_FLOAT = int(torch.finfo(torch.float64).max)
+_MAX_INFOS = 4096  # TensorInfo kept across steps (StepContext.infos)
 
 
 def check_text(text: str, what: str) -> str:
@@ -365,28 +366,45 @@ class StepRecorder:
              batch_dim: int | None) -> None:
         it = self._iteration
         if name not in self._infos:
-            self._infos[name] = TensorInfo(name, role, node, role_in_node, list(tensor.shape),
-                                           str(tensor.dtype).replace("torch.", ""),
-                                           batch_dim)
+            self._infos[name] = self._info(name, role, node, role_in_node, tensor, batch_dim)
         self._named.append(Named.of(name, it, tensor, role, node))
         self._record_values([(name, "forward", it, tensor, batch_dim)])
         if tensor.requires_grad:
             self._hooks.append(tensor.register_hook(self._grad_hook(name, it)))
 
     def _grad_hook(self, name: str, iteration: int) -> Callable[[torch.Tensor], None]:
+        key = (name, iteration)
+
         def hook(grad: torch.Tensor) -> None:
             if not hooks_paused():
-                self._ctx.guard(self._on_grad, name, iteration, grad)
+                self._ctx.guard(self._on_grad, key, grad)
         return hook
 
-    def _on_grad(self, name: str, iteration: int, grad: torch.Tensor) -> None:
+    def _param_grad_hook(self, name: str, param: torch.Tensor
+                         ) -> Callable[[torch.Tensor], None]:
+        key = (name, 0)
+
+        def hook(grad: torch.Tensor) -> None:
+            if not hooks_paused():
+                self._ctx.guard(self._on_param_grad, key, param, grad)
+        return hook
+
+    def _on_param_grad(self, key: tuple[str, int], param: torch.Tensor,
+                       grad: torch.Tensor) -> None:
+        if param.grad is None and key not in self._grads:
+            # AccumulateGrad adopts this gradient as .grad, which the user may change in
+            # place before the step ends (clip_grad_norm_, AMP's unscale_): a copy now. (Into
+            # an existing .grad it adds, leaving this one alone: kept as it is, see _on_grad.)
+            grad = self._ctx.buffers.copy(grad)
+        self._on_grad(key, grad)
+
+    def _on_grad(self, key: tuple[str, int], grad: torch.Tensor) -> None:
         if self._attachments is None:
             self._attach_saved()
-        key = (name, iteration)
         prev = self._grads.get(key)
-        # The gradient itself is kept, not a detached alias of it: while it is held,
-        # AccumulateGrad cannot adopt it as the parameter's .grad (which clip_grad_norm_ or
-        # the next step's accumulation change in place) and gives .grad a copy of its own.
+        # The gradient itself is kept, not a detached alias of it: while it is held, autograd
+        # cannot hand it on as a parameter's .grad (AccumulateGrad copies it instead), nor
+        # add into it in place.
         grad = grad if prev is None else prev + grad
         self._grads[key] = grad
         self._grad_versions[key] = grad._version
@@ -411,25 +429,54 @@ class StepRecorder:
                     infos[name].role == "parameter")
             for (name, direction, it, _, batch_dim), key in zip(records, keys))
 
+    def _info(self, name: str, role: str, node: str, role_in_node: str, tensor: torch.Tensor,
+              batch_dim: int | None) -> TensorInfo:
+        """The TensorInfo of this description, an earlier step's when alike (a new one costs
+        ~2 µs, per tensor and recorded step)."""
+        key = (name, role, node, role_in_node, tensor.shape, tensor.dtype, batch_dim)
+        cache = self._ctx.infos
+        info = cache.get(key)
+        if info is None:
+            if len(cache) >= _MAX_INFOS:  # shapes that change every step: no reuse anyway
+                cache.clear()
+            info = cache[key] = TensorInfo(name, role, node, role_in_node, list(tensor.shape),
+                                           str(tensor.dtype).replace("torch.", ""), batch_dim)
+        return info
+
+    def _param_info(self, name: str, p: torch.Tensor) -> TensorInfo | None:
+        """The TensorInfo of parameter `name`, None if it cannot be recorded (said once); an
+        earlier step's while its type, shape, dtype, device and layout stay."""
+        kind = (type(p), p.shape, p.dtype, p.device, p.layout)
+        cached = self._ctx.infos.get(name)  # (parameters by name: str keys, not tuples)
+        if cached is not None and cached[0] == kind:
+            return cached[1]
+        info = None
+        if reason := unrecordable(p):  # one warning for all of a sharded model's
+            self._ctx.warn_once(SHARDS_NOT_RECORDED if is_dtensor(p) else
+                                f"parameter {name}: {reason}; it is not recorded")
+        else:
+            node, role_in_node = self._ctx.param_nodes[name]
+            info = TensorInfo(name, "parameter", node, role_in_node, list(p.shape),
+                              str(p.dtype).replace("torch.", ""), None)
+        self._ctx.infos[name] = (kind, info)
+        return info
+
     def _start(self) -> None:
         """Called on entry of a recorded step: parameter values and gradient hooks."""
         records = []
+        infos = self._infos
         for name, p in self._ctx.params.items():
-            if reason := unrecordable(p):  # one warning for all of a sharded model's
-                self._ctx.warn_once(SHARDS_NOT_RECORDED if is_dtensor(p) else
-                                    f"parameter {name}: {reason}; it is not recorded")
+            info = self._param_info(name, p)
+            if info is None:
                 continue
-            node, role_in_node = self._ctx.param_nodes[name]
-            self._infos[name] = TensorInfo(name, "parameter", node, role_in_node,
-                                           list(p.shape), str(p.dtype).replace("torch.", ""),
-                                           None)
+            infos[name] = info
             records.append((name, "forward", 0, p, None))
             if p.requires_grad:
-                self._hooks.append(p.register_hook(self._grad_hook(name, 0)))
+                self._hooks.append(p.register_hook(self._param_grad_hook(name, p)))
         self._record_values(records)
 
     def _graph_key(self) -> tuple:
-        return (self.kind, tuple((r.name, r.iteration, tuple(r.tensor.shape))
+        return (self.kind, tuple((r.name, r.iteration, r.tensor.shape)
                                  for r in self._named), tuple(self._manual))
 
     def _attach_saved(self) -> None:
