@@ -150,3 +150,34 @@ def test_is_private_only_for_a_tensor_nobody_else_reaches():
     alias = torch.randn(3)
     p.grad = alias.detach()  # as AccumulateGrad adopts a gradient
     assert not is_private(alias, 1)
+
+
+def test_gradients_of_micro_batches_add_up_whatever_is_done_to_grad_after(tmp_path):
+    """Two micro-batches in a step: the first backward's gradient becomes .grad (copied by
+    the recorder), the second adds into it in place (kept as it is); the recorded gradient
+    is their sum, before the clipping and the update that follow."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs = [torch.randn(3, 4), torch.randn(3, 4)]
+    want = [sum(g) for g in zip(*(torch.autograd.grad(model(x).pow(2).mean(),
+                                                      list(model.parameters())) for x in xs))]
+    with deepscope.Scope(tmp_path, "r", schedule=deepscope.every(1)) as scope:
+        scope.watch(model)
+        held, submit = _held_writer(scope)
+        with scope.step(0) as rec:
+            opt.zero_grad()
+            for x in xs:
+                loss = model(x).pow(2).mean()
+                rec.loss(loss)
+                loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1e-4)
+            opt.step()
+        opt.zero_grad(set_to_none=False)
+        for payload in held:
+            submit(payload)
+    run = deepscope.open_run(tmp_path / "r")
+    for name, g in zip(("weight", "bias"), want):
+        row = run.stats_wide(name, direction="grad", step=0).iloc[0]
+        assert row["norm"] == pytest.approx(float(g.double().norm()), rel=1e-6)
+        assert row["max"] == pytest.approx(float(g.max()), rel=1e-6)

@@ -50,14 +50,21 @@ class BufferPool:
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A contiguous private copy of `tensor` (detached), from the pool when one fits."""
-        return self.copy_all([tensor])[0]
+        key = (tensor.shape, tensor.dtype, tensor.device)
+        with self._lock:
+            spare = self._free.get(key)
+            buf = spare.pop() if spare else None
+        if buf is None:
+            buf = torch.empty(key[0], dtype=key[1], device=key[2])
+        # detached: the copy is not part of the user's graph (cheaper than a no_grad block)
+        return buf.copy_(tensor.detach())
 
     def copy_all(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """`copy` of each of `tensors`, in one batched copy (a torch op costs ~10 µs of
         overhead on the CPU, more than copying a small tensor)."""
-        if not tensors:
-            return []
-        keys = [(tuple(t.shape), t.dtype, t.device) for t in tensors]
+        if len(tensors) < 2:
+            return [self.copy(t) for t in tensors]
+        keys = [(t.shape, t.dtype, t.device) for t in tensors]
         with self._lock:
             bufs = []
             for key in keys:
@@ -65,15 +72,14 @@ class BufferPool:
                 bufs.append(spare.pop() if spare else None)
         bufs = [torch.empty(key[0], dtype=key[1], device=key[2]) if buf is None else buf
                 for key, buf in zip(keys, bufs)]
-        with torch.no_grad():  # the copies are not part of the user's graph
-            torch._foreach_copy_(bufs, tensors)
+        torch._foreach_copy_(bufs, [t.detach() for t in tensors])
         return bufs
 
     def release(self, buffers: list[torch.Tensor]) -> None:
         """Hand buffers back once nothing reads them any more."""
         with self._lock:
             for buf in buffers:
-                key = (tuple(buf.shape), buf.dtype, buf.device)
+                key = (buf.shape, buf.dtype, buf.device)
                 spare = self._free.get(key)
                 if spare is None:
                     if len(self._free) >= _MAX_KEYS:

@@ -143,6 +143,7 @@ class StepRecorder:
         self._copies: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._grads: dict[tuple[str, int], torch.Tensor] = {}
         self._grad_versions: dict[tuple[str, int], int] = {}  # as received (see _snapshot_grads)
+        self._owned: set[tuple[str, int]] = set()  # gradients we made (copies, sums)
         self._activation_counts: dict[tuple[str, int], int] = {}
         # what module hooks saw of frozen modules: autograd has no edges from it
         self._module_calls: dict[tuple[str, int], ModuleCall] = {}
@@ -396,6 +397,7 @@ class StepRecorder:
             # place before the step ends (clip_grad_norm_, AMP's unscale_): a copy now. (Into
             # an existing .grad it adds, leaving this one alone: kept as it is, see _on_grad.)
             grad = self._ctx.buffers.copy(grad)
+            self._owned.add(key)
         self._on_grad(key, grad)
 
     def _on_grad(self, key: tuple[str, int], grad: torch.Tensor) -> None:
@@ -405,7 +407,9 @@ class StepRecorder:
         # The gradient itself is kept, not a detached alias of it: while it is held, autograd
         # cannot hand it on as a parameter's .grad (AccumulateGrad copies it instead), nor
         # add into it in place.
-        grad = grad if prev is None else prev + grad
+        if prev is not None:
+            grad = prev + grad
+            self._owned.add(key)
         self._grads[key] = grad
         self._grad_versions[key] = grad._version
 
@@ -515,8 +519,9 @@ class StepRecorder:
                                     "recorded at this step")
                 continue
             info = infos[name]
-            # two references: the dict's and `grad`
-            if is_private(grad, 2):
+            # ours (a copy, a sum) or, held by nobody else (two references: the dict's and
+            # `grad`), autograd's own
+            if (key in self._owned and not grad.requires_grad) or is_private(grad, 2):
                 self._captures.append(Capture(name, direction, it, grad, info.batch_dim,
                                               info.role == "parameter"))
             else:
