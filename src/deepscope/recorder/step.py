@@ -387,29 +387,26 @@ class StepRecorder:
 
         def hook(grad: torch.Tensor) -> None:
             if not hooks_paused():
-                self._ctx.guard(self._on_param_grad, key, param, grad)
+                self._ctx.guard(self._on_grad, key, grad, param)
         return hook
 
-    def _on_param_grad(self, key: tuple[str, int], param: torch.Tensor,
-                       grad: torch.Tensor) -> None:
-        if param.grad is None and key not in self._grads:
-            # AccumulateGrad adopts this gradient as .grad, which the user may change in
-            # place before the step ends (clip_grad_norm_, AMP's unscale_): a copy now. (Into
-            # an existing .grad it adds, leaving this one alone: kept as it is, see _on_grad.)
-            grad = self._ctx.buffers.copy(grad)
-            self._owned.add(key)
-        self._on_grad(key, grad)
-
-    def _on_grad(self, key: tuple[str, int], grad: torch.Tensor) -> None:
+    def _on_grad(self, key: tuple[str, int], grad: torch.Tensor,
+                 param: torch.Tensor | None = None) -> None:
+        """Keep the gradient of `key` (of `param`, a parameter's) that backward produced."""
         if self._attachments is None:
             self._attach_saved()
         prev = self._grads.get(key)
-        # The gradient itself is kept, not a detached alias of it: while it is held, autograd
-        # cannot hand it on as a parameter's .grad (AccumulateGrad copies it instead), nor
-        # add into it in place.
         if prev is not None:
             grad = prev + grad
             self._owned.add(key)
+        elif param is not None and param.grad is None:
+            # AccumulateGrad adopts this gradient as .grad, which the user may change in
+            # place before the step ends (clip_grad_norm_, AMP's unscale_): a copy now. (Into
+            # an existing .grad it adds, leaving this one alone.)
+            grad = self._ctx.buffers.copy(grad)
+            self._owned.add(key)
+        # Else the gradient itself is kept, not a detached alias of it: while it is held,
+        # autograd cannot hand it on as a parameter's .grad, nor add into it in place.
         self._grads[key] = grad
         self._grad_versions[key] = grad._version
 
