@@ -164,6 +164,7 @@ class Scope:
         self._current: StepRecorder | None = None
         self._context: tuple[tuple, StepContext] | None = None  # see _step_context
         self._last_step: int | None = None
+        self._checked_kind: str | None = None  # the step kind checked last
         self._reported: set[str] = set()
         self._agree_keep = False  # this step's dynamic decision is agreed across ranks
         self._world = world_size()
@@ -369,9 +370,11 @@ class Scope:
         if not 0 <= step <= MAX_STEP:
             raise ValueError(f"step must be between 0 and 2**63 - 1, got {step}; pass a global "
                              "step counter from 0")
-        if not isinstance(kind, str) or not kind:
-            raise TypeError(f"kind must be a non-empty string, got {kind!r}")
-        check_text(kind, "kind")
+        if kind is not self._checked_kind:  # (the same string on most steps)
+            if not isinstance(kind, str) or not kind:
+                raise TypeError(f"kind must be a non-empty string, got {kind!r}")
+            check_text(kind, "kind")
+            self._checked_kind = kind
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"step numbers must increase: got {step} after {self._last_step}; "
                              "pass a global step counter")
@@ -462,11 +465,12 @@ class Scope:
             if outcome.instrumented:
                 self._guard(self.instruments.abort)
             return
-        kpis = list(outcome.kpis)
-        if self._step_lr is not None and all(n != "learning_rate" for n, _ in kpis):
-            kpis.append(("learning_rate", self._step_lr))
         # The kind may have been decided during the step (dynamic recording).
-        self._kpi_rows.extend((n, outcome.step, outcome.kind, v) for n, v in kpis)
+        step, kind = outcome.step, outcome.kind
+        rows = [(n, step, kind, v) for n, v in outcome.kpis]
+        if self._step_lr is not None and not any(r[0] == "learning_rate" for r in rows):
+            rows.append(("learning_rate", step, kind, self._step_lr))
+        self._kpi_rows += rows
         findings = self._check_health(outcome.step)
         quantities = []
         if outcome.instrumented:

@@ -51,11 +51,19 @@ def check_text(text: str, what: str) -> str:
     return text
 
 
+_GOOD_NAMES: set[str] = set()  # names checked already (a loop passes the same ones each step)
+
+
 def _check_name(name: Any, what: str = "name") -> str:
+    if type(name) is str and name in _GOOD_NAMES:
+        return name
     if not isinstance(name, str) or not name or len(name) > 256:
         raise TypeError(f"tensor {what} must be a non-empty string of at most 256 characters, "
                         f"got {name!r}")
-    return check_text(name, f"tensor {what}")
+    check_text(name, f"tensor {what}")
+    if len(_GOOD_NAMES) < 4096:
+        _GOOD_NAMES.add(name)
+    return name
 
 
 SHARDS_NOT_RECORDED = ("parameters sharded across ranks (DTensor shards: FSDP2, tensor parallel) "
@@ -183,7 +191,8 @@ class StepRecorder:
         "auto" = 0 for batched roles with at least one dimension, else None. Its gradient is
         recorded after backward when it requires grad (by a hook; the tensor is not changed).
         """
-        self._check_open("tensor")
+        if not self._open:  # (tested here: a call less on every step)
+            self._check_open("tensor")
         if not self.recording:
             return
         _check_name(name)
