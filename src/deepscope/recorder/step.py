@@ -427,17 +427,22 @@ class StepRecorder:
         # ReLU, optimizer.step, zero_grad); statistics are computed off the training thread.
         # The same tensor under a second name (a container module's output is its last
         # child's) shares the first one's copy.
-        keys = [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version, direction,
-                 batch_dim) for _, direction, _, t, batch_dim in records]
-        new = {key: t for key, (_, _, _, t, _) in zip(keys, records) if key not in self._copies}
-        # holding the tensor keeps its memory ours during the step
-        for (key, t), copy in zip(new.items(), self._ctx.buffers.copy_all(list(new.values()))):
-            self._copies[key] = (t, copy)
-        infos = self._infos
-        self._captures.extend(
-            Capture(name, direction, it, self._copies[key][1], batch_dim,
-                    infos[name].role == "parameter")
-            for (name, direction, it, _, batch_dim), key in zip(records, keys))
+        copies, infos, captures = self._copies, self._infos, self._captures
+        keys, new = [], {}
+        for _, direction, _, t, batch_dim in records:  # (loops: no comprehension frames)
+            key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version,
+                   direction, batch_dim)
+            keys.append(key)
+            if key not in copies:
+                new[key] = t
+        if new:
+            # holding the tensor keeps its memory ours during the step
+            tensors = list(new.values())
+            for key, t, copy in zip(new, tensors, self._ctx.buffers.copy_all(tensors)):
+                copies[key] = (t, copy)
+        for (name, direction, it, _, batch_dim), key in zip(records, keys):
+            captures.append(Capture(name, direction, it, copies[key][1], batch_dim,
+                                    infos[name].role == "parameter"))
 
     def _info(self, name: str, role: str, node: str, role_in_node: str, tensor: torch.Tensor,
               batch_dim: int | None) -> TensorInfo:
@@ -453,13 +458,9 @@ class StepRecorder:
                                            str(tensor.dtype).replace("torch.", ""), batch_dim)
         return info
 
-    def _param_info(self, name: str, p: torch.Tensor) -> TensorInfo | None:
-        """The TensorInfo of parameter `name`, None if it cannot be recorded (said once); an
-        earlier step's while its type, shape, dtype, device and layout stay."""
-        kind = (type(p), p.shape, p.dtype, p.device, p.layout)
-        cached = self._ctx.infos.get(name)  # (parameters by name: str keys, not tuples)
-        if cached is not None and cached[0] == kind:
-            return cached[1]
+    def _param_info(self, name: str, p: torch.Tensor, kind: tuple) -> TensorInfo | None:
+        """The TensorInfo of parameter `name` of this `kind` (type, shape, dtype, device,
+        layout), None if it cannot be recorded (said once); kept for the next steps."""
         info = None
         if reason := unrecordable(p):  # one warning for all of a sharded model's
             self._ctx.warn_once(SHARDS_NOT_RECORDED if is_dtensor(p) else
@@ -474,9 +475,13 @@ class StepRecorder:
     def _start(self) -> None:
         """Called on entry of a recorded step: parameter values and gradient hooks."""
         records = []
-        infos = self._infos
+        infos, cache = self._infos, self._ctx.infos
         for name, p in self._ctx.params.items():
-            info = self._param_info(name, p)
+            # an earlier step's TensorInfo while the parameter stays alike (the usual case)
+            kind = (type(p), p.shape, p.dtype, p.device, p.layout)
+            cached = cache.get(name)  # (parameters by name: str keys, not tuples)
+            info = (cached[1] if cached is not None and cached[0] == kind
+                    else self._param_info(name, p, kind))
             if info is None:
                 continue
             infos[name] = info
