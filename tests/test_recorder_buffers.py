@@ -32,3 +32,13 @@ def test_released_buffers_are_reused_by_the_next_copy():
     assert {id(t) for t in again} == {id(t) for t in first}
     assert torch.equal(again[0], torch.ones(3)) and torch.equal(again[1], torch.ones(4, 5))
     assert torch.equal(pool.copy(torch.full((2,), 7.0)), torch.full((2,), 7.0))
+
+
+def test_a_single_copy_is_exact_private_and_detached():
+    pool = BufferPool()
+    w = torch.randn(3, 4, requires_grad=True)
+    c = pool.copy(w * 2)
+    assert torch.equal(c, (w * 2).detach()) and not c.requires_grad and c.grad_fn is None
+    assert c.is_contiguous() and c.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
+    pool.release([c])
+    assert pool.copy(torch.ones(3, 4)) is c  # reused

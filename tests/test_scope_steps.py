@@ -92,3 +92,23 @@ def test_no_import_cycle_among_deepscope_modules() -> None:
         graph[name] = {d for d in deps if d in modules and d != name}
     assert graph["deepscope.recorder.scope"] >= {"deepscope.recorder.step"}  # the probe works
     graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the cycle
+
+
+def test_a_parameter_whose_dtype_changes_between_steps_is_described_anew(tmp_path: Path) -> None:
+    """TensorInfo is reused across steps only while the parameter stays alike."""
+    model = nn.Linear(3, 2)
+    payloads = []
+    with deepscope.Scope(tmp_path, "r", schedule=deepscope.every(1)) as scope:
+        scope.watch(model)
+        scope.writer.submit_step = lambda payload: payloads.append(payload) or True
+        for step in range(3):
+            if step == 2:
+                model.double()
+            x = torch.randn(4, 3, dtype=model.weight.dtype)
+            with scope.step(step) as rec:
+                rec.tensor("x", x, role="input")
+                model(x).sum().backward()
+    dtypes = [{t.name: t.dtype for t in p.tensors} for p in payloads]
+    assert dtypes[0] == dtypes[1] == {"weight": "float32", "bias": "float32", "x": "float32"}
+    assert dtypes[2] == {"weight": "float64", "bias": "float64", "x": "float64"}
+    assert payloads[0].tensors[0] is payloads[1].tensors[0]  # reused while alike

@@ -25,6 +25,8 @@ class StepContext:
     fn(*args) so that a failure inside recording never stops training (logged once; returns
     a failure marker). params / param_nodes: watched parameters by name, and their (graph
     node, role in node). graph_cache: dependency graphs by structure, shared across steps.
+    infos: the `TensorInfo` of each tensor description seen (name, role, shape, ...), and
+    each parameter's, shared across steps (see `StepRecorder._info`).
     """
 
     scope: Any
@@ -35,6 +37,7 @@ class StepContext:
     params: dict[str, torch.Tensor]
     param_nodes: dict[str, tuple[str, str]]
     graph_cache: dict
+    infos: dict
     buffers: BufferPool
     monitor: Any
     instruments: Any

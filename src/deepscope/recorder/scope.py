@@ -159,10 +159,12 @@ class Scope:
         self._module_hooks: list[Any] = []
         self._stance: Any = None  # the force_eager stance of the open step, to restore
         self._graph_cache: dict = {}
+        self._infos: dict = {}  # TensorInfo by description, across steps (StepContext.infos)
         self.buffers = BufferPool()
         self._current: StepRecorder | None = None
         self._context: tuple[tuple, StepContext] | None = None  # see _step_context
         self._last_step: int | None = None
+        self._checked_kind: str | None = None  # the step kind checked last
         self._reported: set[str] = set()
         self._agree_keep = False  # this step's dynamic decision is agreed across ranks
         self._world = world_size()
@@ -368,9 +370,11 @@ class Scope:
         if not 0 <= step <= MAX_STEP:
             raise ValueError(f"step must be between 0 and 2**63 - 1, got {step}; pass a global "
                              "step counter from 0")
-        if not isinstance(kind, str) or not kind:
-            raise TypeError(f"kind must be a non-empty string, got {kind!r}")
-        check_text(kind, "kind")
+        if kind is not self._checked_kind:  # (the same string on most steps)
+            if not isinstance(kind, str) or not kind:
+                raise TypeError(f"kind must be a non-empty string, got {kind!r}")
+            check_text(kind, "kind")
+            self._checked_kind = kind
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"step numbers must increase: got {step} after {self._last_step}; "
                              "pass a global step counter")
@@ -415,8 +419,8 @@ class Scope:
             self._context = (key, StepContext(
                 scope=self, begin=self._enter, end=self._end, guard=self._guard,
                 warn_once=self._warn_once, params=self._params, param_nodes=self._param_nodes,
-                graph_cache=self._graph_cache, buffers=self.buffers, monitor=self.monitor,
-                instruments=self.instruments, keep_if=self.keep_if,
+                graph_cache=self._graph_cache, infos=self._infos, buffers=self.buffers,
+                monitor=self.monitor, instruments=self.instruments, keep_if=self.keep_if,
                 max_samples=self.max_samples, max_neurons=self.max_neurons,
                 singular_values=self.singular_values, exact_views=self.exact_views))
         return self._context[1]
@@ -461,11 +465,12 @@ class Scope:
             if outcome.instrumented:
                 self._guard(self.instruments.abort)
             return
-        kpis = list(outcome.kpis)
-        if self._step_lr is not None and all(n != "learning_rate" for n, _ in kpis):
-            kpis.append(("learning_rate", self._step_lr))
         # The kind may have been decided during the step (dynamic recording).
-        self._kpi_rows.extend((n, outcome.step, outcome.kind, v) for n, v in kpis)
+        step, kind = outcome.step, outcome.kind
+        rows = [(n, step, kind, v) for n, v in outcome.kpis]
+        if self._step_lr is not None and not any(r[0] == "learning_rate" for r in rows):
+            rows.append(("learning_rate", step, kind, self._step_lr))
+        self._kpi_rows += rows
         findings = self._check_health(outcome.step)
         quantities = []
         if outcome.instrumented:

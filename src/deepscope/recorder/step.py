@@ -16,6 +16,7 @@ from ..hookstate import hooks_paused
 from ..naming import named_leaves
 from ..records import QuantityValue, StepPayload, TensorInfo
 from ..store import limits
+from .buffers import is_private
 from .context import StepOutcome
 from .graph import (
     ModuleCall,
@@ -35,6 +36,7 @@ ROLES = ("input", "target", "activation", "output", "loss", "parameter")
 _BATCHED_ROLES = ("input", "target", "activation", "output", "loss")
 AUTO = "auto"
 _MAX_FLOAT = int(torch.finfo(torch.float64).max)
+_MAX_INFOS = 4096  # TensorInfo kept across steps (StepContext.infos)
 
 
 def check_text(text: str, what: str) -> str:
@@ -49,11 +51,19 @@ def check_text(text: str, what: str) -> str:
     return text
 
 
+_GOOD_NAMES: set[str] = set()  # names checked already (a loop passes the same ones each step)
+
+
 def _check_name(name: Any, what: str = "name") -> str:
+    if type(name) is str and name in _GOOD_NAMES:
+        return name
     if not isinstance(name, str) or not name or len(name) > 256:
         raise TypeError(f"tensor {what} must be a non-empty string of at most 256 characters, "
                         f"got {name!r}")
-    return check_text(name, f"tensor {what}")
+    check_text(name, f"tensor {what}")
+    if len(_GOOD_NAMES) < 4096:
+        _GOOD_NAMES.add(name)
+    return name
 
 
 SHARDS_NOT_RECORDED = ("parameters sharded across ranks (DTensor shards: FSDP2, tensor parallel) "
@@ -140,6 +150,8 @@ class StepRecorder:
         self._captures: list[Capture] = []
         self._copies: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._grads: dict[tuple[str, int], torch.Tensor] = {}
+        self._grad_versions: dict[tuple[str, int], int] = {}  # as received (see _snapshot_grads)
+        self._owned: set[tuple[str, int]] = set()  # gradients we made (copies, sums)
         self._activation_counts: dict[tuple[str, int], int] = {}
         # what module hooks saw of frozen modules: autograd has no edges from it
         self._module_calls: dict[tuple[str, int], ModuleCall] = {}
@@ -179,7 +191,8 @@ class StepRecorder:
         "auto" = 0 for batched roles with at least one dimension, else None. Its gradient is
         recorded after backward when it requires grad (by a hook; the tensor is not changed).
         """
-        self._check_open("tensor")
+        if not self._open:  # (tested here: a call less on every step)
+            self._check_open("tensor")
         if not self.recording:
             return
         _check_name(name)
@@ -363,26 +376,48 @@ class StepRecorder:
              batch_dim: int | None) -> None:
         it = self._iteration
         if name not in self._infos:
-            self._infos[name] = TensorInfo(name, role, node, role_in_node, list(tensor.shape),
-                                           str(tensor.dtype).replace("torch.", ""),
-                                           batch_dim)
+            self._infos[name] = self._info(name, role, node, role_in_node, tensor, batch_dim)
         self._named.append(Named.of(name, it, tensor, role, node))
         self._record_values([(name, "forward", it, tensor, batch_dim)])
         if tensor.requires_grad:
             self._hooks.append(tensor.register_hook(self._grad_hook(name, it)))
 
     def _grad_hook(self, name: str, iteration: int) -> Callable[[torch.Tensor], None]:
+        key = (name, iteration)
+
         def hook(grad: torch.Tensor) -> None:
             if not hooks_paused():
-                self._ctx.guard(self._on_grad, name, iteration, grad)
+                self._ctx.guard(self._on_grad, key, grad)
         return hook
 
-    def _on_grad(self, name: str, iteration: int, grad: torch.Tensor) -> None:
+    def _param_grad_hook(self, name: str, param: torch.Tensor
+                         ) -> Callable[[torch.Tensor], None]:
+        key = (name, 0)
+
+        def hook(grad: torch.Tensor) -> None:
+            if not hooks_paused():
+                self._ctx.guard(self._on_grad, key, grad, param)
+        return hook
+
+    def _on_grad(self, key: tuple[str, int], grad: torch.Tensor,
+                 param: torch.Tensor | None = None) -> None:
+        """Keep the gradient of `key` (of `param`, a parameter's) that backward produced."""
         if self._attachments is None:
             self._attach_saved()
-        key = (name, iteration)
         prev = self._grads.get(key)
-        self._grads[key] = grad.detach() if prev is None else prev + grad.detach()
+        if prev is not None:
+            grad = prev + grad
+            self._owned.add(key)
+        elif param is not None and param.grad is None:
+            # AccumulateGrad adopts this gradient as .grad, which the user may change in
+            # place before the step ends (clip_grad_norm_, AMP's unscale_): a copy now. (Into
+            # an existing .grad it adds, leaving this one alone.)
+            grad = self._ctx.buffers.copy(grad)
+            self._owned.add(key)
+        # Else the gradient itself is kept, not a detached alias of it: while it is held,
+        # autograd cannot hand it on as a parameter's .grad, nor add into it in place.
+        self._grads[key] = grad
+        self._grad_versions[key] = grad._version
 
     def _record_values(self, records: list[tuple[str, str, int, torch.Tensor, int | None]]
                        ) -> None:
@@ -392,37 +427,71 @@ class StepRecorder:
         # ReLU, optimizer.step, zero_grad); statistics are computed off the training thread.
         # The same tensor under a second name (a container module's output is its last
         # child's) shares the first one's copy.
-        keys = [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version, direction,
-                 batch_dim) for _, direction, _, t, batch_dim in records]
-        new = {key: t for key, (_, _, _, t, _) in zip(keys, records) if key not in self._copies}
-        # holding the tensor keeps its memory ours during the step
-        for (key, t), copy in zip(new.items(), self._ctx.buffers.copy_all(list(new.values()))):
-            self._copies[key] = (t, copy)
-        infos = self._infos
-        self._captures.extend(
-            Capture(name, direction, it, self._copies[key][1], batch_dim,
-                    infos[name].role == "parameter")
-            for (name, direction, it, _, batch_dim), key in zip(records, keys))
+        copies, infos, captures = self._copies, self._infos, self._captures
+        keys, new = [], {}
+        for _, direction, _, t, batch_dim in records:  # (loops: no comprehension frames)
+            key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version,
+                   direction, batch_dim)
+            keys.append(key)
+            if key not in copies:
+                new[key] = t
+        if new:
+            # holding the tensor keeps its memory ours during the step
+            tensors = list(new.values())
+            for key, t, copy in zip(new, tensors, self._ctx.buffers.copy_all(tensors)):
+                copies[key] = (t, copy)
+        for (name, direction, it, _, batch_dim), key in zip(records, keys):
+            captures.append(Capture(name, direction, it, copies[key][1], batch_dim,
+                                    infos[name].role == "parameter"))
+
+    def _info(self, name: str, role: str, node: str, role_in_node: str, tensor: torch.Tensor,
+              batch_dim: int | None) -> TensorInfo:
+        """The TensorInfo of this description, an earlier step's when alike (a new one costs
+        ~2 µs, per tensor and recorded step)."""
+        key = (name, role, node, role_in_node, tensor.shape, tensor.dtype, batch_dim)
+        cache = self._ctx.infos
+        info = cache.get(key)
+        if info is None:
+            if len(cache) >= _MAX_INFOS:  # shapes that change every step: no reuse anyway
+                cache.clear()
+            info = cache[key] = TensorInfo(name, role, node, role_in_node, list(tensor.shape),
+                                           str(tensor.dtype).replace("torch.", ""), batch_dim)
+        return info
+
+    def _param_info(self, name: str, p: torch.Tensor, kind: tuple) -> TensorInfo | None:
+        """The TensorInfo of parameter `name` of this `kind` (type, shape, dtype, device,
+        layout), None if it cannot be recorded (said once); kept for the next steps."""
+        info = None
+        if reason := unrecordable(p):  # one warning for all of a sharded model's
+            self._ctx.warn_once(SHARDS_NOT_RECORDED if is_dtensor(p) else
+                                f"parameter {name}: {reason}; it is not recorded")
+        else:
+            node, role_in_node = self._ctx.param_nodes[name]
+            info = TensorInfo(name, "parameter", node, role_in_node, list(p.shape),
+                              str(p.dtype).replace("torch.", ""), None)
+        self._ctx.infos[name] = (kind, info)
+        return info
 
     def _start(self) -> None:
         """Called on entry of a recorded step: parameter values and gradient hooks."""
         records = []
+        infos, cache = self._infos, self._ctx.infos
         for name, p in self._ctx.params.items():
-            if reason := unrecordable(p):  # one warning for all of a sharded model's
-                self._ctx.warn_once(SHARDS_NOT_RECORDED if is_dtensor(p) else
-                                    f"parameter {name}: {reason}; it is not recorded")
+            # an earlier step's TensorInfo while the parameter stays alike (the usual case)
+            kind = (type(p), p.shape, p.dtype, p.device, p.layout)
+            cached = cache.get(name)  # (parameters by name: str keys, not tuples)
+            info = (cached[1] if cached is not None and cached[0] == kind
+                    else self._param_info(name, p, kind))
+            if info is None:
                 continue
-            node, role_in_node = self._ctx.param_nodes[name]
-            self._infos[name] = TensorInfo(name, "parameter", node, role_in_node,
-                                           list(p.shape), str(p.dtype).replace("torch.", ""),
-                                           None)
+            infos[name] = info
             records.append((name, "forward", 0, p, None))
             if p.requires_grad:
-                self._hooks.append(p.register_hook(self._grad_hook(name, 0)))
+                self._hooks.append(p.register_hook(self._param_grad_hook(name, p)))
         self._record_values(records)
 
     def _graph_key(self) -> tuple:
-        return (self.kind, tuple((r.name, r.iteration, tuple(r.tensor.shape))
+        return (self.kind, tuple((r.name, r.iteration, r.tensor.shape)
                                  for r in self._named), tuple(self._manual))
 
     def _attach_saved(self) -> None:
@@ -446,8 +515,29 @@ class StepRecorder:
         return cached
 
     def _snapshot_grads(self, direction: str) -> None:
-        self._record_values([(name, direction, it, grad, self._infos[name].batch_dim)
-                             for (name, it), grad in self._grads.items()])
+        """Capture the gradients received so far: kept as they are where nobody else can
+        reach them (autograd's own, after backward: no copy), else copied."""
+        records = []
+        infos, versions = self._infos, self._grad_versions
+        for key in list(self._grads):  # (an items() iterator would hold a reference)
+            grad = self._grads[key]
+            name, it = key
+            if grad._version != versions[key]:
+                # a hook of the user's changed it in place after ours ran: the gradient
+                # backward produced is gone
+                self._ctx.warn_once(f"the gradient of {name!r} was changed in place after "
+                                    "deepscope received it (by a tensor hook?); it is not "
+                                    "recorded at this step")
+                continue
+            info = infos[name]
+            # ours (a copy, a sum) or, held by nobody else (two references: the dict's and
+            # `grad`), autograd's own
+            if (key in self._owned and not grad.requires_grad) or is_private(grad, 2):
+                self._captures.append(Capture(name, direction, it, grad, info.batch_dim,
+                                              info.role == "parameter"))
+            else:
+                records.append((name, direction, it, grad, info.batch_dim))
+        self._record_values(records)
 
     def _remove_hooks(self) -> None:
         for h in self._hooks:
