@@ -16,6 +16,7 @@ import sqlite3
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 import deepscope
@@ -88,11 +89,14 @@ def test_new_runs_are_version_4_keyed_by_step_with_one_layout(tmp_path):
         counts = [con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
                   for t in ("arrays", "step_arrays", "layouts")]
         used = con.execute("SELECT count(DISTINCT layout) FROM step_arrays").fetchone()[0]
+        # a missing statistic (NaN in the summary: sv_max here) is stored as NULL
+        sv_max = {v for (v,) in con.execute("SELECT sv_max FROM records")}
     finally:
         con.close()
     # no row per array, one index row per step; a layout is stored once for the steps that
     # share it (step 0's targets have fewer zeros: their samples sit in another part)
     assert counts == [0, 3, 2] and used == 2
+    assert sv_max == {None}
     assert codecs_used(db) == {"sparse4", "raw", "split2-zlib"}
     assert deepscope.open_run(tmp_path / "r").meta()["schema_version"] == "4"
 
@@ -157,3 +161,31 @@ def test_a_version_2_run_reads_and_resumes_in_its_own_layout(tmp_path):
     assert key_columns(db, "arrays") == ["tensor_id", "direction", "step", "iteration", "view"]
     assert run.views("h1", 4) == run.views("h1", 0)
     run.close()
+
+
+def test_a_layout_whose_step_was_rolled_back_is_written_again(tmp_path, monkeypatch):
+    """Step 1 brings a new layout and fails after inserting it (rolled back, skipped): step 2,
+    of the same layout, must store it again, not point at a row that was never committed."""
+    from deepscope.store.writer import StoreWriter
+    write_quantities = StoreWriter._write_quantities
+
+    def failing_at_step_1(self, values):
+        if self._layout is not None and self._new_layout:
+            raise sqlite3.IntegrityError("step 1 fails after its layout was inserted")
+        write_quantities(self, values)
+
+    with deepscope.Scope(tmp_path, "r", schedule=1, max_samples=2) as scope:
+        with scope.step(0) as rec:
+            rec.tensor("x", torch.ones(2, 3), role="input")
+        scope.flush()
+        monkeypatch.setattr(StoreWriter, "_write_quantities", failing_at_step_1)
+        with scope.step(1) as rec:
+            rec.tensor("x", torch.ones(4, 3), role="input")
+        with pytest.raises(deepscope.RecordingError, match="step 1 skipped"):
+            scope.flush()
+        monkeypatch.undo()
+        with scope.step(2) as rec:
+            rec.tensor("x", torch.full((4, 3), 2.0), role="input")
+    with deepscope.open_run(tmp_path / "r") as run:
+        assert run.steps() == [0, 2]
+        np.testing.assert_array_equal(run.values("x", 2, view="samples"), np.full((2, 3), 2.0))
