@@ -72,12 +72,14 @@ CREATE TABLE IF NOT EXISTS arrays (
 CREATE TABLE IF NOT EXISTS step_arrays (step INTEGER PRIMARY KEY, layout TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS layouts (hash TEXT PRIMARY KEY, body TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS graphs (hash TEXT PRIMARY KEY, body TEXT NOT NULL);
+-- `iterations` and `kpis` are WITHOUT ROWID since version 4: one b-tree each, so a commit
+-- writes one page of each, not a table page and its key's index page.
 CREATE TABLE IF NOT EXISTS iterations (
     step INTEGER NOT NULL, iteration INTEGER NOT NULL, graph TEXT NOT NULL,
-    PRIMARY KEY (step, iteration));
+    PRIMARY KEY (step, iteration)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS kpis (
     name TEXT NOT NULL, step INTEGER NOT NULL, kind TEXT NOT NULL, value REAL,
-    PRIMARY KEY (name, step));
+    PRIMARY KEY (name, step)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS notes (
     id INTEGER PRIMARY KEY, wall_time REAL NOT NULL, step INTEGER, text TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS quantities (
