@@ -705,12 +705,13 @@ class StoreWriter:
         if summary.arrays:
             legacy = self.version < LAYOUT_VERSION
             # Each part holds one dtype; its element size picks the codec.
-            itemsizes = {entry[6]: arrays.itemsize(entry[4]) for entry in summary.arrays}
+            dtypes = {entry[6]: entry[4] for entry in summary.arrays}
             blobs = []
             compress = summary.compress or [True] * len(summary.parts)
             for part, data in enumerate(summary.parts):
-                codec, stored = (codecs.encode(data, itemsizes.get(part, 1), legacy)
-                                 if compress[part] else (codecs.RAW, data))
+                itemsize = arrays.itemsize(dtypes[part]) if part in dtypes else 1
+                codec, stored = (codecs.encode(data, itemsize, legacy) if compress[part]
+                                 else (codecs.RAW, data))
                 blobs.append((p.step, part, codec, len(data), stored))
             con.executemany("INSERT OR REPLACE INTO step_blobs VALUES (?, ?, ?, ?, ?)", blobs)
             if legacy:
