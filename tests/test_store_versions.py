@@ -75,6 +75,16 @@ def snapshot(run) -> tuple:
     return run.steps(), wide.fillna(-1.0).to_numpy().tolist(), values
 
 
+def resume_fixture(tmp_path: Path) -> None:
+    """Record steps 3 and 4 into the copied fixture run, resumed."""
+    model = MLP3()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with deepscope.Scope(tmp_path, "v3-run", schedule=1, resume=True) as scope:
+        scope.watch(model)
+        for step in (3, 4):
+            record_step(scope, model, opt, step, torch.randn(8, 6), torch.randint(0, 3, (8,)))
+
+
 def copy_fixture(tmp_path: Path) -> Path:
     shutil.copytree(FIXTURE, tmp_path / "v3-run")
     return tmp_path / "v3-run"
@@ -115,12 +125,7 @@ def test_a_version_3_run_reads_exactly_as_recorded(tmp_path):
 def test_a_version_3_run_resumes_in_its_own_layout_and_codecs(tmp_path):
     run_dir = copy_fixture(tmp_path)
     db = run_dir / "rank0.sqlite"
-    model = MLP3()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with deepscope.Scope(tmp_path, "v3-run", schedule=1, resume=True) as scope:
-        scope.watch(model)
-        for step in (3, 4):
-            record_step(scope, model, opt, step, torch.randn(8, 6), torch.randint(0, 3, (8,)))
+    resume_fixture(tmp_path)
     with deepscope.open_run(run_dir) as run:
         assert run.steps() == [0, 1, 2, 3, 4]
         assert run.meta()["schema_version"] == "3"  # not relabelled: the layout is 3's
@@ -149,12 +154,7 @@ def test_a_version_2_run_reads_and_resumes_in_its_own_layout(tmp_path):
     assert run.meta()["schema_version"] == "2"
     assert snapshot(run) == before and before[2]  # same steps, statistics and views
     run.close()
-    model = MLP3()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with deepscope.Scope(tmp_path, "v3-run", schedule=1, resume=True) as scope:
-        scope.watch(model)
-        for step in (3, 4):
-            record_step(scope, model, opt, step, torch.randn(8, 6), torch.randint(0, 3, (8,)))
+    resume_fixture(tmp_path)
     run = deepscope.open_run(run_dir)
     assert run.steps() == [0, 1, 2, 3, 4]
     assert run.meta()["schema_version"] == "2"  # not relabelled: the layout is version 2's
