@@ -1,7 +1,8 @@
 """The on-disk format of one rank of one run: a SQLite database in WAL mode.
 
-Every table is plain SQL; arrays are raw little-endian bytes with `dtype` and `shape` columns
-(see `arrays.py`). Nothing here can execute code when read.
+Every table is plain SQL; arrays are raw little-endian bytes described by a dtype name and a
+JSON shape (see `arrays.py`; docs/format.md describes every version). Nothing here can
+execute code when read.
 """
 
 SCHEMA_VERSION = 4
