@@ -26,6 +26,7 @@ import torch
 import deepscope
 from deepscope.cli.main import main as cli
 from deepscope.instruments.base import QuantityValue
+from tests.stress import fuzz_store
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "errors.md"
@@ -144,7 +145,7 @@ def edited(*sql: str) -> Callable[[Path], object]:
     return lambda tmp: deepscope.open_run(edit(tmp, *sql)).steps()
 
 
-NEWER = "UPDATE meta SET value = '4' WHERE key = 'schema_version'"
+NEWER = "UPDATE meta SET value = '5' WHERE key = 'schema_version'"
 OLDER = "UPDATE meta SET value = '1' WHERE key = 'schema_version'"
 
 
@@ -154,7 +155,7 @@ def resume_newer(tmp: Path) -> None:
 
 
 def crafted_shape(tmp: Path) -> None:
-    run = edit(tmp, "UPDATE arrays SET shape = '[1073741824]'")
+    run = edit(tmp, fuzz_store.set_array({"shape": "'[1073741824]'"}, tensor="x"))
     deepscope.open_run(run).values("x", 0, view="samples")
 
 

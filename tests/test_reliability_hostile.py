@@ -99,7 +99,7 @@ def test_another_apps_sqlite_file_is_refused(tmp_path):
 def test_a_newer_schema_version_asks_for_an_upgrade(tmp_path, sample):
     run_dir = run_with(tmp_path, sample,
                        "UPDATE meta SET value = '99' WHERE key = 'schema_version'")
-    assert "has schema version '99'; this deepscope reads versions 2 and 3 (upgrade deepscope" \
+    assert "has schema version '99'; this deepscope reads versions 2, 3 and 4 (upgrade deepscope" \
         in refusal(run_dir)
     with pytest.raises(ValueError, match="schema version 99.*new run name"):
         deepscope.Scope(tmp_path, "run", resume=True)  # and the writer will not touch it
@@ -108,7 +108,7 @@ def test_a_newer_schema_version_asks_for_an_upgrade(tmp_path, sample):
 def test_an_older_schema_version_is_refused_in_one_line(tmp_path, sample):
     run_dir = run_with(tmp_path, sample,
                        "UPDATE meta SET value = '1' WHERE key = 'schema_version'")
-    assert "has schema version '1'; this deepscope reads versions 2 and 3 (read it with the " \
+    assert "has schema version '1'; this deepscope reads versions 2, 3 and 4 (read it with the " \
         "deepscope release that recorded it)" in refusal(run_dir)
     with pytest.raises(ValueError, match="schema version 1.*new run name"):
         deepscope.Scope(tmp_path, "run", resume=True)
@@ -139,9 +139,9 @@ def test_crafted_schemas_are_refused_before_any_query(tmp_path, sample, sql, exp
 
 # --- crafted array metadata ------------------------------------------------------------------
 def input_samples(column: str, value: object) -> str:
-    """SQL setting `column` of the stored samples of `input` at step 0."""
-    return (f"UPDATE arrays SET {column} = {value} WHERE view = 'samples' AND step = 0 AND "
-            "tensor_id = (SELECT id FROM tensors WHERE name = 'input')")
+    """SQL setting `column` of the stored samples of `input` at step 0 (an SQL expression;
+    {offset}, {nbytes}, {part}: the current values)."""
+    return fuzz_store.set_array({column: value})
 
 
 @pytest.mark.parametrize("column, value, expected", [
@@ -154,14 +154,16 @@ def input_samples(column: str, value: object) -> str:
     ("shape", "'{\"dims\": 2}'", "invalid shape"),
     ("shape", "'not json'", "unreadable shape"),
     ("shape", "'[' || replace(hex(zeroblob(5000)), '00', '[')", "overlong"),
-    ("shape", "x'5b315d'", "wrong type"),
+    ("shape", "5", "wrong structure"),  # a number, not JSON text
     ("dtype", "'object'", "unknown dtype"),
     ("dtype", "'complex128'", "unknown dtype"),
     ("dtype", "'>f4'", "unknown dtype"),
-    ("offset", "(SELECT raw_bytes FROM step_blobs WHERE step = 0 AND part = arrays.part) + 8",
+    ("offset", "(SELECT raw_bytes FROM step_blobs WHERE step = 0 AND part = {part}) + 8",
      "holds 0 bytes|points outside"),
-    ("nbytes", "nbytes + 4", "declares shape|points outside"),
-    ("offset", "offset + 4", None),  # misaligned: must still be the declared size or refused
+    ("nbytes", "{nbytes} + 4", "declares shape|points outside"),
+    ("offset", "{offset} + 4", None),  # misaligned: must still be the declared size or refused
+    ("offset", "1.5", "wrong structure"),
+    ("dtype", "7", "wrong structure"),
 ], ids=lambda v: str(v)[:24])
 def test_crafted_array_metadata_is_refused(tmp_path, sample, column, value, expected):
     with deepscope.open_run(run_with(tmp_path, sample, input_samples(column, value))) as run:
@@ -221,7 +223,7 @@ def test_a_listed_view_without_data_is_reported_as_damage(tmp_path, sample):
 
 # --- crafted step data: codecs, sizes, compressed streams -----------------------------------
 def views_part(column: str, value: object) -> str:
-    """SQL setting `column` of step 0's part 1 (its bfloat16 views, stored shuffle2-zlib)."""
+    """SQL setting `column` of step 0's part 1 (its bfloat16 views, stored split2-zlib)."""
     return f"UPDATE step_blobs SET {column} = {value} WHERE step = 0 AND part = 1"
 
 
@@ -235,24 +237,29 @@ ODD = zlib.compress(bytes(range(101)))  # a valid stream of an odd number of byt
 @pytest.mark.parametrize("sql, expected", [
     ([views_part("codec", "'lz4'")], "unknown codec 'lz4'"),
     ([views_part("codec", "'raw'")], r"holds \d+ bytes, not the declared \d+"),
-    ([views_part("codec", "'zlib'")], None),  # valid zlib, but not unshuffled: wrong values
-    ([views_part("raw_bytes", "raw_bytes + 1")], r"holds (\d+) bytes, not the declared (?!\1)\d+"),
-    ([views_part("raw_bytes", "raw_bytes - 1")], r"holds (\d+) bytes, not the declared (?!\1)\d+"),
+    ([views_part("codec", "'zlib'")], "not a valid zlib stream"),  # low bytes first
+    ([views_part("codec", "'shuffle2-zlib'")], "not a valid shuffle2-zlib stream"),
+    ([views_part("raw_bytes", "raw_bytes + 1")], "odd length"),
+    ([views_part("raw_bytes", "raw_bytes - 2")], "not a valid split2-zlib stream"),
+    ([views_part("codec", "'raw'"), views_part("raw_bytes", "length(data) + 2")],
+     r"holds (\d+) bytes, not the declared (?!\1)\d+"),
     ([views_part("raw_bytes", "1 << 50")], "declares 1125899906842624 bytes, more than"),
     ([views_part("raw_bytes", "-1")], "invalid size '-1'"),
     ([views_part("raw_bytes", "'many'")], "invalid size 'many'"),
     ([views_part("raw_bytes", "1026.5")], "invalid size '1026.5'"),
-    ([views_part("data", "substr(data, 1, 300)")], r"holds \d+ bytes, not the declared"),
+    ([views_part("data", "substr(data, 1, 300)")], r"shorter \(300 bytes\) than its low bytes"),
+    ([views_part("data", "substr(data, 1, length(data) - 9)")],
+     r"holds \d+ bytes, not the declared|truncated"),
     ([views_part("data", "CAST(data || x'00' AS BLOB)")], "bytes after it"),
-    ([views_part("data", "zeroblob(730)")], "not a valid shuffle2-zlib stream"),
+    ([views_part("data", "zeroblob(730)")], "not a valid split2-zlib stream"),
     ([views_part("data", "'text'")], "not a blob"),
     ([views_part("data", blob(ODD)), views_part("raw_bytes", 101)], "odd length"),
     (["DELETE FROM step_blobs WHERE part = 1"], "step 0 has arrays but no data for part 1"),
     ([input_samples("part", 7)], "no data for part 7"),
-    ([input_samples("part", "'first'")], "no data for part first"),
+    ([input_samples("part", "'first'")], "wrong structure"),
 ], ids=lambda v: str(v)[:40])
 def test_crafted_step_data_is_refused(tmp_path, sample, sql, expected):
-    view = "samples" if "arrays" in sql[0] else "neuron_mean"
+    view = "samples" if "layouts" in sql[0] else "neuron_mean"
     with deepscope.open_run(run_with(tmp_path, sample, *sql)) as run:
         try:
             run.values("input", 0, view=view)
@@ -268,7 +275,7 @@ def test_a_zlib_bomb_allocates_nothing(tmp_path, sample, raw_bytes):
     """64 MiB of zeros in 64 kB of zlib, under a declared size that lies either way."""
     bomb = zlib.compress(bytes(64 * 2**20), 9)
     run_dir = run_with(tmp_path, sample, views_part("data", blob(bomb)),
-                       views_part("raw_bytes", raw_bytes))
+                       views_part("raw_bytes", raw_bytes), views_part("codec", "'zlib'"))
     assert refusal_peak(run_dir, "neuron_mean", "not the declared|more than") < 8 * 2**20
 
 

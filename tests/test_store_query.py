@@ -43,7 +43,7 @@ def test_notes_kpis_project_and_meta(tmp_path):
     assert run.notes()["text"].tolist() == ["baseline, lr 0.1"]
     assert set(run.kpis()["name"]) == {"loss", "accuracy"}
     assert run.meta()["schedule"] == "every(2, start=0)"
-    assert run.meta()["schema_version"] == "3"
+    assert run.meta()["schema_version"] == "4"
     with pytest.raises(ValueError, match="no run 'c'.*a, b"):
         project.run("c")
     tensors = run.tensors().set_index("name")

@@ -174,14 +174,38 @@ def zlib_bomb(raw: int) -> bytes:
     return b"".join([*out, packer.flush()])
 
 
+# The fields of an entry of a stored array layout (schema version 4, `layouts.body`).
+LAYOUT_FIELDS = ("name", "direction", "view", "iteration", "dtype", "shape", "part", "offset",
+                 "nbytes")
+
+
+def set_array(changes: dict[str, object], tensor: str = "input", view: str = "samples") -> str:
+    """SQL setting fields of the entry of `view` of `tensor` in the layout of step 0 (and of
+    the steps sharing it): `changes` maps a field to an SQL expression, in which {offset},
+    {nbytes} and {part} stand for the entry's current values (what `UPDATE arrays SET ...`
+    did in version 3)."""
+    match = (f"FROM json_each(body) WHERE json_extract(value, '$[0]') = '{tensor}' "
+             f"AND json_extract(value, '$[2]') = '{view}'")
+    current = {f: f"json_extract((SELECT value {match}), '$[{i}]')"
+               for i, f in enumerate(LAYOUT_FIELDS)}
+    pairs = []
+    for field, value in changes.items():
+        expression = str(value)
+        for name, sql in current.items():
+            expression = expression.replace("{" + name + "}", sql)
+        pairs.append(f"'$[' || (SELECT key {match}) || '][{LAYOUT_FIELDS.index(field)}]', "
+                     f"{expression}")
+    return (f"UPDATE layouts SET body = json_set(body, {', '.join(pairs)}) "
+            "WHERE hash = (SELECT layout FROM step_arrays WHERE step = 0)")
+
+
 def _bomb(raw: int) -> list[str]:
     """Step 0's bfloat16 part replaced by a bomb of `raw` bytes, the input's samples pointing at
     all of it: read as declared, one view would be raw / 2 values."""
     return [f"UPDATE step_blobs SET codec = 'zlib', raw_bytes = {raw}, "
             f"data = x'{zlib_bomb(raw).hex()}' WHERE step = 0 AND part = 1",
-            f"UPDATE arrays SET dtype = 'bfloat16', shape = '[{raw // 2}]', part = 1, "
-            f"offset = 0, nbytes = {raw} WHERE view = 'samples' AND step = 0 AND tensor_id = "
-            "(SELECT id FROM tensors WHERE name = 'input')"]
+            set_array({"dtype": "'bfloat16'", "shape": f"'[{raw // 2}]'", "part": 1,
+                       "offset": 0, "nbytes": raw})]
 
 
 def _graph_of_two_cycles(nodes: int) -> str:
@@ -207,8 +231,7 @@ CRAFTED: dict[str, Callable[[], list[str]]] = {
     "iterations-inf": lambda: ["UPDATE steps SET iterations = 1e999"],
     "tensor-shape-1e12x3": lambda: ["UPDATE tensors SET shape = '[1000000000000, 3]'"],
     "array-shape-0x1e20": lambda: [
-        "UPDATE arrays SET shape = '[0, 99999999999999999999]', nbytes = 0 WHERE "
-        "view = 'samples'"],
+        set_array({"shape": "'[0, 99999999999999999999]'", "nbytes": 0})],
     "zlib-bomb-41MB": lambda: _bomb(41 * 2**20),
     "zlib-bomb-410MB": lambda: _bomb(410 * 2**20),
     "histogram-bins-250M": lambda: _histogram_edges("[-2, 2, 250000000]"),

@@ -30,7 +30,7 @@ EXPECTED_RECORDS = frozenset(
      for d in ("forward", "grad")} | {("input", "forward"), ("target", "forward")})
 KPIS = ("accuracy", "loss")
 # Tables whose rows belong to one step: a step missing from `steps` must have none of them.
-STEP_TABLES = ("records", "arrays", "step_blobs", "iterations")
+STEP_TABLES = ("records", "arrays", "step_arrays", "step_blobs", "iterations")
 
 
 def make_model() -> nn.Module:

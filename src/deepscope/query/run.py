@@ -368,11 +368,7 @@ class Run:
               direction: str = "forward", rank: int = 0) -> list[str]:
         """Array views stored for one tensor record (neuron_mean, samples, ...)."""
         direction = check_direction(direction)
-        rows = self._r(rank).query(
-            "SELECT a.view FROM arrays a JOIN tensors t ON t.id = a.tensor_id WHERE t.name = ? "
-            "AND a.step = ? AND a.iteration = ? AND a.direction = ? ORDER BY a.view",
-            (tensor, step, iteration, direction))
-        return [v for (v,) in rows]
+        return sorted(self._r(rank).record_arrays(tensor, step, iteration, direction), key=str)
 
     def values(self, tensor: str, step: int, *, view: str = "neuron_mean", iteration: int = 0,
                direction: str = "forward", rank: int = 0) -> np.ndarray:
@@ -388,19 +384,12 @@ class Run:
         self._check_step(step, rank)
         direction = check_direction(direction)
         r = self._r(rank)
-        rows = r.query(
-            "SELECT a.dtype, a.shape, a.part, a.offset, a.nbytes FROM arrays a "
-            "JOIN tensors t ON t.id = a.tensor_id WHERE t.name = ? AND a.step = ? "
-            "AND a.iteration = ? AND a.direction = ? AND a.view = ?",
-            (tensor, step, iteration, direction, view))
-        if not rows:
-            have = self.views(tensor, step, iteration=iteration, direction=direction, rank=rank)
-            if view in have:  # listed, yet not found by its key: a damaged index
-                raise CorruptRunError(f"{r.path}: view {view!r} of {tensor!r} at step {step} "
-                                      "is listed but unreadable; the file is damaged")
+        stored = r.record_arrays(tensor, step, iteration, direction)
+        if view not in stored:
+            have = sorted(stored, key=str)
             raise KeyError(f"no view {view!r} of {tensor!r} ({direction}) at step {step}, "
                            f"iteration {iteration}; stored views: {have or 'none'}")
-        dtype, shape, part, offset, nbytes = rows[0]
+        dtype, shape, part, offset, nbytes = stored[view]
         return r.decode_slice(dtype, shape, offset, nbytes, r.step_part(step, part))
 
     def samples(self, tensor: str, step: int, *, view: str = "sample_mean",

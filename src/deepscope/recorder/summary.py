@@ -111,39 +111,83 @@ def _summarise_unique(captures: list[Capture], max_samples: int, max_neurons: in
     for i, d in enumerate(done):
         if not isinstance(d[0], torch.Tensor):  # type: ignore[index]
             host_stats[i] = d[0]  # type: ignore[index]
-    zero_frac = host_stats[:, STAT_COLUMNS.index("zero_frac")].tolist()
+    entries, parts, compress = _pack(captures, [d[1] for d in done],  # type: ignore[index]
+                                     host_stats[:, STAT_COLUMNS.index("zero_frac")].tolist(),
+                                     exact_views)
+    return StepSummary(keys, host_stats, entries, parts, compress)
+
+
+def _pack(captures: list[Capture], views_of: list[dict[str, torch.Tensor | np.ndarray]],
+          zero_frac: list[float], exact_views: bool) -> tuple[list[tuple], list[bytes],
+                                                              list[bool]]:
+    """The captures' array views packed into parts: (entries, parts, compress) of a
+    `StepSummary`. The entries list is shared by the steps of one layout: read it only."""
+    arrs = [arr for vs in views_of for arr in vs.values()]
+    key = (exact_views, tuple(f >= SPARSE for f in zero_frac),
+           tuple((c.name, c.direction, c.iteration) for c in captures),
+           tuple((view, arr.shape, arr.dtype) for vs in views_of for view, arr in vs.items()))
+    host = _to_host(arrs)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan(captures, views_of, host, zero_frac, exact_views)
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    entries, members, compress = plan
+    parts = []
+    for dtype, idx in members:  # little-endian bytes, as arrays.encode makes them
+        flat = np.concatenate([host[j] for j in idx], axis=None)
+        if dtype == arrays.BFLOAT16:
+            bits = torch.from_numpy(flat).to(torch.bfloat16).view(torch.int16).numpy()
+            parts.append(bits.astype("<i2", copy=False).tobytes())
+        else:
+            parts.append(flat.astype(arrays.DTYPES[dtype], copy=False).tobytes())
+    return entries, parts, compress
+
+
+# Packing plans by step layout (names, views, shapes, dtypes, which captures are sparse): a
+# steady run's steps all have one, so the entries are built once.
+_plans: dict[tuple, tuple[list[tuple], list[tuple[str, list[int]]], list[bool]]] = {}
+MAX_PLANS = 64
+
+
+def _plan(captures: list[Capture], views_of: list[dict[str, torch.Tensor | np.ndarray]],
+          host: list[np.ndarray], zero_frac: list[float], exact_views: bool
+          ) -> tuple[list[tuple], list[tuple[str, list[int]]], list[bool]]:
+    """(entries, [(dtype, indices into `host`: the arrays of `views_of` in order)] per part,
+    compress)."""
     # Three kinds of part: aggregated views (bfloat16 unless exact; compressed), full sample
     # values of mostly-zero tensors (float32; compressed: ReLU outputs halve) and of the
     # others (float32; stored raw: zlib gains little on dense floats at a high price). A
     # fourth, float64 and compressed, for the views and samples of tensors beyond float32.
-    views = [(i, view, arr) for i, (_, vs) in enumerate(done)  # type: ignore[misc]
-             for view, arr in vs.items()]
     kinds: dict[str, list[tuple]] = {"sparse": [], "dense": [], "views": [], "wide": []}
-    for (i, view, _), arr in zip(views, _to_host([arr for _, _, arr in views])):
+    j = 0
+    for i, vs in enumerate(views_of):
         c = captures[i]
-        kind = ("wide" if arr.dtype == np.float64 else "views" if view != "samples" else
-                "sparse" if zero_frac[i] >= SPARSE else "dense")
-        kinds[kind].append((c.name, c.direction, view, c.iteration, arr))
-    entries, parts, compress = [], [], []
+        for view in vs:
+            arr = host[j]
+            kind = ("wide" if arr.dtype == np.float64 else "views" if view != "samples" else
+                    "sparse" if zero_frac[i] >= SPARSE else "dense")
+            kinds[kind].append((c.name, c.direction, view, c.iteration, arr, j))
+            j += 1
+    entries, members, compress = [], [], []
     for kind, part in kinds.items():
         if not part:
             continue
-        flat = np.concatenate([p[4] for p in part], axis=None)
         if kind == "views" and not exact_views:
-            dtype, _, data = arrays.encode(torch.from_numpy(flat).to(torch.bfloat16))
-            itemsize = 2
-        else:
-            dtype, _, data = arrays.encode(flat)
-            itemsize = flat.itemsize
+            dtype, itemsize = arrays.BFLOAT16, 2
+        else:  # the dtype np.concatenate gives the part
+            common = np.result_type(*(p[4].dtype for p in part))
+            dtype, itemsize = common.name, common.itemsize
         offset = 0
-        for name, direction, view, it, arr in part:
+        for name, direction, view, it, arr, _ in part:
             nbytes = arr.size * itemsize
             entries.append((name, direction, view, it, dtype, _shape_text(arr.shape),
-                            len(parts), offset, nbytes))
+                            len(members), offset, nbytes))
             offset += nbytes
-        parts.append(data)
+        members.append((dtype, [p[5] for p in part]))
         compress.append(kind != "dense")
-    return StepSummary(keys, host_stats, entries, parts, compress)
+    return entries, members, compress
 
 
 def _to_host(arrs: list[torch.Tensor | np.ndarray]) -> list[np.ndarray]:

@@ -21,7 +21,15 @@ import numpy as np
 from ..errors import CorruptRunError
 from . import arrays, codecs, limits
 from .layout import check_run_id
-from .schema import DDL, OPTIONAL_TABLES, READABLE_VERSIONS, SCHEMA_VERSION, is_readable
+from .schema import (
+    DDL,
+    LAYOUT_VERSION,
+    OPTIONAL_TABLES,
+    READABLE_VERSIONS,
+    SCHEMA_VERSION,
+    VERSION_TABLES,
+    is_readable,
+)
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 # Python's sqlite3 raises UnicodeDecodeError instead of DatabaseError when SQLite's message
@@ -118,7 +126,9 @@ def _check_store(con: sqlite3.Connection, path: Path) -> None:
                        f"reads versions {readable_versions()} ({fix})")
     present = _present_tables(con)
     _check_tables(con, path, [t for t in expected_tables() if t != "meta"
-                              and (t not in OPTIONAL_TABLES or t in present)])
+                              and (t not in OPTIONAL_TABLES or t in present)
+                              and (int(version[0]) >= VERSION_TABLES.get(t, 0)
+                                   or t in present)])
     run_id = con.execute("SELECT value FROM meta WHERE key='run_id'").fetchone()
     check_run_id(path, run_id and run_id[0])  # a -wal file of another database
 
@@ -158,6 +168,9 @@ class StoreReader:
         self._con = open_readonly(path)
         # optional tables (see schema.OPTIONAL_TABLES) this file has; checked on opening
         self.optional_tables = frozenset(OPTIONAL_TABLES & _present_tables(self._con))
+        # the file's schema version (checked readable on opening): how its arrays are indexed
+        self.version = int(self.query("SELECT value FROM meta WHERE key='schema_version'")[0][0])
+        self._layouts: OrderedDict[str, list[tuple]] = OrderedDict()  # by hash, least recent first
         self._parts: OrderedDict[tuple[int, int], bytes] = OrderedDict()  # least recent first
         self._parts_lock = threading.Lock()  # the GUI server reads from several threads
 
@@ -220,6 +233,46 @@ class StoreReader:
             while sum(map(len, self._parts.values())) > limits.PART_CACHE_BYTES:
                 self._parts.popitem(last=False)
         return data
+
+    def record_arrays(self, tensor: str, step: int, iteration: int, direction: str
+                      ) -> dict[str, tuple[Any, Any, Any, Any, Any]]:
+        """The arrays of one tensor record: {view: (dtype, JSON shape, part, offset, nbytes)}
+        (the bounds are checked when one is read), whatever the schema version."""
+        if self.version < LAYOUT_VERSION:
+            rows = self.query(
+                "SELECT a.view, a.dtype, a.shape, a.part, a.offset, a.nbytes FROM arrays a "
+                "JOIN tensors t ON t.id = a.tensor_id WHERE t.name = ? AND a.step = ? "
+                "AND a.iteration = ? AND a.direction = ?", (tensor, step, iteration, direction))
+            return {r[0]: r[1:] for r in rows}
+        rows = self.query("SELECT layout FROM step_arrays WHERE step = ?", (step,))
+        return {} if not rows else {
+            view: rest for name, d, view, it, *rest in self.layout(rows[0][0])
+            if name == tensor and it == iteration and d == direction}
+
+    def layout(self, digest: Any) -> list[tuple]:
+        """A stored array layout (see `step_arrays`) by its hash, validated; the last few are
+        kept (every step of a steady run has the same)."""
+        with self._parts_lock:
+            entries = self._layouts.get(digest)
+        if entries is not None:
+            return entries
+        rows = self.query("SELECT body FROM layouts WHERE hash = ?", (digest,))
+        if not rows:
+            raise _corrupt(f"{self.path}: array layout {str(digest)[:20]!r} is missing; the "
+                           "file is damaged")
+        body = self.decode_json(rows[0][0], "array layout")
+        types = (str, str, str, int, str, str, int, int, int)
+        if not (isinstance(body, list) and all(
+                isinstance(e, list) and len(e) == len(types)
+                and all(type(v) is t for v, t in zip(e, types)) for e in body)):
+            raise _corrupt(f"{self.path}: stored array layout has the wrong structure; the "
+                           "file is damaged")
+        entries = [tuple(e) for e in body]
+        with self._parts_lock:
+            self._layouts[digest] = entries
+            while len(self._layouts) > 16:
+                self._layouts.popitem(last=False)
+        return entries
 
     def part_cap(self) -> int:
         """Bytes one decoded step part may have now (see `limits.part_cap`)."""

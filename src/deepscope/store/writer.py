@@ -17,6 +17,7 @@ every transaction, so a `-wal` file of another database cannot pass as this run'
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -38,7 +39,7 @@ from ..errors import RecordingError
 from ..records import InstrumentWarning, QuantityValue, StepPayload, StepSummary, TensorInfo
 from . import arrays, codecs
 from .layout import check_run_id, lock_file, parse_run_id, sidecar_run_id
-from .schema import APPLICATION_ID, DDL, SCHEMA_VERSION, STAT_COLUMNS, is_readable
+from .schema import APPLICATION_ID, DDL, LAYOUT_VERSION, SCHEMA_VERSION, STAT_COLUMNS, is_readable
 
 try:
     import fcntl
@@ -275,6 +276,11 @@ class StoreWriter:
         self._reported: set[str] = set()
         self._tensor_ids: dict[str, int] = {}
         self._new_tensors: list[str] = []  # names inserted by the open transaction
+        # The last array layout written (schema version 4): (entries, hash), and whether the
+        # open transaction inserted it (a rollback then forgets it)
+        self._layout: tuple[list, str] | None = None
+        self._new_layout = False
+        self.version = SCHEMA_VERSION  # of the file: a resumed older run keeps its own
         self._busy_since: float | None = None
         self._next_probe = 0.0
         self._pid = os.getpid()
@@ -331,6 +337,7 @@ class StoreWriter:
         if not stored:
             rows["created"] = json.dumps(time.time())
         rows["status"] = json.dumps(RECORDING)  # until close() says how it ended
+        self.version = int(version)
         con.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", list(rows.items()))
         self._tensor_ids = dict(con.execute("SELECT name, id FROM tensors").fetchall())
 
@@ -594,6 +601,7 @@ class StoreWriter:
                            "into a new run")
         con.execute("BEGIN IMMEDIATE")
         self._new_tensors = []
+        self._new_layout = False
         try:
             for item, summary in items:
                 self._write_item(item, summary)
@@ -605,6 +613,8 @@ class StoreWriter:
         except BaseException:
             for name in self._new_tensors:  # rolled back: inserted again when next written
                 del self._tensor_ids[name]
+            if self._new_layout:
+                self._layout = None
             if con.in_transaction:  # SQLite itself rolls back on SQLITE_FULL / IOERR
                 con.execute("ROLLBACK")
             raise
@@ -685,30 +695,35 @@ class StoreWriter:
             self._tensor_id(t)
         ids = self._tensor_ids  # every name of the step is in it now
         if summary.keys:
-            stats = summary.stats.astype(object)  # NaN (missing) is stored as NULL
-            stats[np.isnan(summary.stats)] = None
+            # SQLite stores a bound NaN (a missing statistic) as NULL.
             marks = ", ".join("?" * (4 + len(STAT_COLUMNS)))
             con.executemany(
                 f"INSERT OR REPLACE INTO records VALUES ({marks})",
                 [(ids[name], direction, p.step, iteration, *row)
-                 for (name, direction, iteration), row in zip(summary.keys, stats.tolist())])
+                 for (name, direction, iteration), row in zip(summary.keys,
+                                                              summary.stats.tolist())])
         if summary.arrays:
+            legacy = self.version < LAYOUT_VERSION
             # Each part holds one dtype; its element size picks the codec.
-            itemsizes = {part: arrays.itemsize(dtype)
-                         for _, _, _, _, dtype, _, part, _, _ in summary.arrays}
+            dtypes = {entry[6]: entry[4] for entry in summary.arrays}
             blobs = []
             compress = summary.compress or [True] * len(summary.parts)
             for part, data in enumerate(summary.parts):
-                codec, stored = (codecs.encode(data, itemsizes.get(part, 1)) if compress[part]
+                itemsize = arrays.itemsize(dtypes[part]) if part in dtypes else 1
+                codec, stored = (codecs.encode(data, itemsize, legacy) if compress[part]
                                  else (codecs.RAW, data))
                 blobs.append((p.step, part, codec, len(data), stored))
             con.executemany("INSERT OR REPLACE INTO step_blobs VALUES (?, ?, ?, ?, ?)", blobs)
-            con.executemany(
-                "INSERT OR REPLACE INTO arrays VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(ids[name], direction, view, p.step, iteration, dtype, shape, part, offset,
-                  nbytes)
-                 for name, direction, view, iteration, dtype, shape, part, offset, nbytes
-                 in summary.arrays])
+            if legacy:
+                con.executemany(
+                    "INSERT OR REPLACE INTO arrays VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    [(ids[name], direction, view, p.step, iteration, dtype, shape, part,
+                      offset, nbytes)
+                     for name, direction, view, iteration, dtype, shape, part, offset, nbytes
+                     in summary.arrays])
+            else:
+                con.execute("INSERT OR REPLACE INTO step_arrays VALUES (?, ?)",
+                            (p.step, self._layout_hash(summary.arrays)))
         con.executemany("INSERT OR IGNORE INTO graphs VALUES (?, ?)", list(p.graphs.items()))
         con.executemany("INSERT OR REPLACE INTO iterations VALUES (?, ?, ?)",
                         [(p.step, i, h) for i, h in p.iteration_graphs])
@@ -720,6 +735,18 @@ class StoreWriter:
         # run's step number that exists fails here, and only that step is skipped).
         con.execute("INSERT INTO steps VALUES (?, ?, ?, ?)",
                     (p.step, p.kind, p.wall_time, p.iterations))
+
+    def _layout_hash(self, entries: list[tuple]) -> str:
+        """The hash of a step's array layout, stored in `layouts` when new (a steady run's
+        steps all have the last one: compared, not encoded again)."""
+        if self._layout is not None and self._layout[0] == entries:
+            return self._layout[1]
+        body = json.dumps(entries, separators=(",", ":"))
+        digest = hashlib.sha1(body.encode()).hexdigest()[:16]
+        self._con.execute("INSERT OR IGNORE INTO layouts VALUES (?, ?)", (digest, body))
+        self._layout = (list(entries), digest)
+        self._new_layout = True
+        return digest
 
     def _write_quantities(self, values: list[QuantityValue]) -> None:
         con = self._con
