@@ -223,14 +223,13 @@ def test_a_failure_of_one_step_skips_that_step_not_the_run(tmp_path, monkeypatch
                                                            stage):
     """Steps 1 and 3 fail, in their summary (writer thread) or inside their transaction:
     each is skipped alone, warned about, and named by the next flush()."""
-    from deepscope.recorder import step as step_module
-    summarise, write_step = step_module.summarise_captures, StoreWriter._write_step
-    failures = iter([False, True, False, True, False])  # summaries run once per step, in order
+    from deepscope.recorder import summary as summary_module
+    summarise, write_step = summary_module.summarise_steps, StoreWriter._write_step
 
-    def failing_summary(*args: object) -> object:
-        if next(failures):
+    def failing_summary(steps: list) -> object:  # fails steps 1 and 3, and a group with one
+        if any(c.tensor[0, 0] in (2.0, 4.0) for s in steps for c in s.captures):
             raise RuntimeError("crafted failure")
-        return summarise(*args)
+        return summarise(steps)
 
     def failing_write(self: StoreWriter, p: StepPayload, summary: object) -> None:
         write_step(self, p, summary)
@@ -238,7 +237,7 @@ def test_a_failure_of_one_step_skips_that_step_not_the_run(tmp_path, monkeypatch
             raise sqlite3.IntegrityError("crafted failure")
 
     if stage == "summary":
-        monkeypatch.setattr(step_module, "summarise_captures", failing_summary)
+        monkeypatch.setattr(summary_module, "summarise_steps", failing_summary)
     else:
         monkeypatch.setattr(StoreWriter, "_write_step", failing_write)
     error = "RuntimeError" if stage == "summary" else "IntegrityError"

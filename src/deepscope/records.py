@@ -5,9 +5,9 @@ the store, the query API and the GUI can name them without loading what produces
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -93,12 +93,28 @@ class StepSummary:
     compress: list[bool] | None = None
 
 
+@runtime_checkable
+class GroupSummary(Protocol):
+    """A step's summary job that can run together with other steps' of equal `key` (one
+    pass over all their tensors: fewer ops per step), e.g. `recorder.summary.StepCaptures`."""
+
+    @property
+    def key(self) -> Hashable: ...
+
+    def __call__(self) -> StepSummary: ...
+
+    def together(self, jobs: list[Any]) -> list[StepSummary]:
+        """The summaries of `jobs` (all of this key), in order: each as its job's alone."""
+        ...
+
+
 @dataclass
 class StepPayload:
     """Everything one recorded step writes, committed as one transaction.
 
     summarise: called on the writer thread, returns the step's `StepSummary`: computing it
-    there keeps the work off the training thread.
+    there keeps the work off the training thread. A `GroupSummary` may be summarised
+    together with those of the steps queued next to it.
     """
 
     step: int

@@ -225,19 +225,24 @@ class _Work:
 
 
 _local = threading.local()
+WORKS = 4
 
 
 def _work(plan: _Plan, dtype: torch.dtype, device: torch.device) -> _Work:
-    """This thread's `_Work` of `plan` on the host (its buffers kept from the last layout if
-    large enough: a fresh large allocation page-faults on every use); elsewhere a fresh one
+    """This thread's `_Work` of `plan` on the host, kept for the last WORKS layouts (the
+    writer's groups of 1, 2, 3 steps alternate) and made with the buffers of the last one if
+    large enough (a fresh large allocation page-faults on every use); elsewhere a fresh one
     (the caching allocator reuses memory there, and the training may need it back)."""
     if device.type not in _HOST:
         return _Work(plan, dtype, device, False, None)
-    works = _local.__dict__.setdefault("works", {})
-    old = works.get((device, dtype))
-    if old is None or old.plan is not plan:
-        works[device, dtype] = old = _Work(plan, dtype, device, True, old)
-    return old
+    works = _local.__dict__.setdefault("works", {}).setdefault((device, dtype), {})
+    work = works.pop(plan, None)
+    if work is None:
+        work = _Work(plan, dtype, device, True, next(reversed(works.values()), None))
+        if len(works) >= WORKS:
+            del works[next(iter(works))]
+    works[plan] = work  # the most recent last
+    return work
 
 
 @np.errstate(all="ignore")  # non-finite tensors are found and left to the general path

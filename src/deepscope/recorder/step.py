@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +26,7 @@ from .graph import (
     saved_attachments,
 )
 from .ranks import local_values
-from .summary import Capture, summarise_captures
+from .summary import Capture, StepCaptures, SummarySettings
 
 if TYPE_CHECKING:
     from .context import StepContext
@@ -562,9 +561,9 @@ class StepRecorder:
         cached = self._graph()
         ctx = self._ctx
         self._copies.clear()  # the captures hold the copies; let the user's tensors go
-        summarise = functools.partial(summarise_captures, self._captures, ctx.max_samples,
-                                      ctx.max_neurons, ctx.singular_values,
-                                      ctx.exact_views, ctx.buffers.release)
+        summarise = StepCaptures(self._captures, SummarySettings(
+            ctx.max_samples, ctx.max_neurons, ctx.singular_values, ctx.exact_views),
+            ctx.buffers.release)
         return StepPayload(
             step=self.step, kind=self.kind, wall_time=self._started,
             iterations=self._iteration + 1, tensors=list(self._infos.values()),

@@ -36,29 +36,92 @@ class Capture(NamedTuple):
     is_parameter: bool
 
 
+class SummarySettings(NamedTuple):
+    """How a step's captures are summarised; steps with equal settings are summarised
+    together (see `StepCaptures.together`)."""
+
+    max_samples: int
+    max_neurons: int
+    singular_values: bool
+    exact_views: bool
+
+
+class StepCaptures(NamedTuple):
+    """A recorded step's summary job, run on the writer thread: its captures, its settings,
+    and where its tensors go once summarised (`release`). Call it for the step's
+    `StepSummary`; `together` summarises several steps of equal `key` in one pass."""
+
+    captures: list[Capture]
+    settings: SummarySettings
+    release: Callable[[list[torch.Tensor]], None] | None = None
+
+    @property
+    def key(self) -> SummarySettings:
+        return self.settings
+
+    def __call__(self) -> StepSummary:
+        return summarise_steps([self])[0]
+
+    @staticmethod
+    def together(jobs: list[StepCaptures]) -> list[StepSummary]:
+        return summarise_steps(jobs)
+
+
 def summarise_captures(captures: list[Capture], max_samples: int, max_neurons: int,
                        singular_values: bool, exact_views: bool,
                        release: Callable[[list[torch.Tensor]], None] | None = None
                        ) -> StepSummary:
-    """Statistics and array views of a step's captures, copied to the host in one transfer each.
+    """Statistics and array views of a step's captures (see `summarise_steps`)."""
+    settings = SummarySettings(max_samples, max_neurons, singular_values, exact_views)
+    return summarise_steps([StepCaptures(captures, settings, release)])[0]
+
+
+def summarise_steps(steps: list[StepCaptures]) -> list[StepSummary]:
+    """Statistics and array views of each step's captures, copied to the host in one transfer
+    each; the steps' tensors are summarised together (the fused path's ops are then shared
+    by them), each result the same as the step's alone. All steps have equal settings.
 
     Aggregated views (neuron_*, sample_*) are bfloat16 (3 significant digits, float32 range:
     enough to draw, half the bytes) unless `exact_views`; full sample values stay float32; the
     statistics are float64 (of a float32 tensor: accurate to ~1e-7 of its scale, as its own
-    values are). Captures that share a tensor (one tensor under two names) are summarised and
-    stored once. The tensors are overwritten, then handed to `release`; nothing returned
-    shares their memory.
+    values are). Captures of a step that share a tensor (one tensor under two names) are
+    summarised and stored once. The tensors are read only, then handed to each step's
+    `release` once every step is done (a failure leaves them all to summarise again);
+    nothing returned shares their memory.
     """
-    all_keys = [(c.name, c.direction, c.iteration) for c in captures]
-    first: dict[int, int] = {}  # id(tensor) -> index of its first capture
-    for i, c in enumerate(captures):
-        first.setdefault(id(c.tensor), i)
-    summary = _summarise_unique([captures[i] for i in first.values()], max_samples,
-                                max_neurons, singular_values, exact_views)
-    if release is not None:
-        release([captures[i].tensor for i in first.values()])
-    if len(first) == len(captures):
-        return summary
+    settings = steps[0].settings
+    if any(s.settings != settings for s in steps):
+        raise ValueError("summarise_steps: the steps' summary settings differ; summarise "
+                         "them apart")
+    firsts = []  # per step: id(tensor) -> index of its first capture
+    for s in steps:
+        first: dict[int, int] = {}
+        for i, c in enumerate(s.captures):
+            first.setdefault(id(c.tensor), i)
+        firsts.append(first)
+    unique = [s.captures[i] for s, first in zip(steps, firsts) for i in first.values()]
+    views_of, host_stats = _summarise_unique(unique, settings)
+    zero_frac = host_stats[:, STAT_COLUMNS.index("zero_frac")].tolist()
+    out, at = [], 0
+    for s, first in zip(steps, firsts):
+        own = slice(at, at + len(first))
+        at = own.stop
+        entries, parts, compress = _pack(unique[own], views_of[own], zero_frac[own],
+                                         settings.exact_views)
+        summary = StepSummary([(c.name, c.direction, c.iteration) for c in unique[own]],
+                              host_stats[own], entries, parts, compress)
+        out.append(summary if len(first) == len(s.captures) else
+                   _shared(s.captures, first, summary))
+    for s, first in zip(steps, firsts):  # all packed: nothing left reads them (and a
+        if s.release is not None:        # failure before here leaves every step's intact)
+            s.release([s.captures[i].tensor for i in first.values()])
+    return out
+
+
+def _shared(captures: list[Capture], first: dict[int, int], summary: StepSummary
+            ) -> StepSummary:
+    """The summary of a step whose captures share tensors, from that of its unique ones
+    (`first`: id(tensor) -> index of its first capture)."""
     row_of = {id(captures[i].tensor): r for r, i in enumerate(first.values())}
     by_key = {}
     for entry in summary.arrays:
@@ -69,14 +132,15 @@ def summarise_captures(captures: list[Capture], max_samples: int, max_neurons: i
         for entry in by_key.get((source.name, source.direction, source.iteration), []):
             entries.append((c.name, c.direction, entry[2], c.iteration, *entry[4:]))
     rows = [row_of[id(c.tensor)] for c in captures]
-    return StepSummary(all_keys, summary.stats[rows], entries, summary.parts,
-                       summary.compress)
+    return StepSummary([(c.name, c.direction, c.iteration) for c in captures],
+                       summary.stats[rows], entries, summary.parts, summary.compress)
 
 
-def _summarise_unique(captures: list[Capture], max_samples: int, max_neurons: int,
-                      singular_values: bool, exact_views: bool) -> StepSummary:
-    """`summarise_captures` of captures that share no tensor."""
-    keys = [(c.name, c.direction, c.iteration) for c in captures]
+def _summarise_unique(captures: list[Capture], settings: SummarySettings
+                      ) -> tuple[list[dict[str, torch.Tensor | np.ndarray]], np.ndarray]:
+    """(array views, float64 stats rows of `STAT_COLUMNS`) of captures that share no
+    tensor."""
+    max_samples, max_neurons, singular_values, _ = settings
     done: list[tuple[torch.Tensor | np.ndarray, dict[str, torch.Tensor | np.ndarray]] | None]
     done = [None] * len(captures)
     small: dict[torch.device, list[int]] = {}
@@ -111,10 +175,7 @@ def _summarise_unique(captures: list[Capture], max_samples: int, max_neurons: in
     for i, d in enumerate(done):
         if not isinstance(d[0], torch.Tensor):  # type: ignore[index]
             host_stats[i] = d[0]  # type: ignore[index]
-    entries, parts, compress = _pack(captures, [d[1] for d in done],  # type: ignore[index]
-                                     host_stats[:, STAT_COLUMNS.index("zero_frac")].tolist(),
-                                     exact_views)
-    return StepSummary(keys, host_stats, entries, parts, compress)
+    return [d[1] for d in done], host_stats  # type: ignore[index]
 
 
 def _pack(captures: list[Capture], views_of: list[dict[str, torch.Tensor | np.ndarray]],

@@ -17,6 +17,7 @@ every transaction, so a `-wal` file of another database cannot pass as this run'
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -28,6 +29,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,14 @@ import numpy as np
 import torch
 
 from ..errors import RecordingError
-from ..records import InstrumentWarning, QuantityValue, StepPayload, StepSummary, TensorInfo
+from ..records import (
+    GroupSummary,
+    InstrumentWarning,
+    QuantityValue,
+    StepPayload,
+    StepSummary,
+    TensorInfo,
+)
 from . import arrays, codecs
 from .layout import check_run_id, lock_file, parse_run_id, sidecar_run_id
 from .schema import APPLICATION_ID, DDL, LAYOUT_VERSION, SCHEMA_VERSION, STAT_COLUMNS, is_readable
@@ -64,6 +73,11 @@ WAL_LIMIT_PAGES = 4096
 # Steps already queued one after another when the writer takes the first are committed
 # together, at most this many: a writer fallen behind catches up with one commit for them.
 MAX_GROUP = 8
+# A writer keeping up waits this long (seconds) for this many steps to summarise and commit
+# together: a group's ops, GIL hand-overs and commit are shared by its steps. Never while a
+# flush() or close() waits.
+GROUP_STEPS = 3
+GROUP_WAIT = 0.005
 _LOCKED = ("another program has held the write lock of {path} too long; {what} and later "
            "items are skipped until it lets go (training continues)")
 _live_writers: weakref.WeakSet = weakref.WeakSet()
@@ -304,6 +318,7 @@ class StoreWriter:
         except sqlite3.Error:  # the writer's own automatic checkpoints then do it
             pass
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._flushing = 0  # flush() / close() calls waiting (under the queue's lock)
         self._thread = threading.Thread(target=self._run, name="deepscope-writer", daemon=True)
         self._thread.start()
         _live_writers.add(self)
@@ -409,7 +424,8 @@ class StoreWriter:
         disk. Steps dropped by on_full="drop" are counted in `dropped_steps`, not raised.
         """
         if self._thread.is_alive():
-            self._queue.join()
+            with self._waiting():
+                self._queue.join()
         lost = [f"{first} skipped ({key})" if n == 1 else
                 f"{n} items skipped ({key}): {first} ... {last}"
                 for key, (n, first, last) in self._unreported.items()]
@@ -426,13 +442,26 @@ class StoreWriter:
         """Commit what is queued, store how the run ended (`status`: "finished" or
         "interrupted: <why>"), stop the writer thread and release the run's lock."""
         if self._thread.is_alive():
-            if not self.failed:
-                self._queue.put(_Status(status))
-            self._queue.put(_STOP)
-            self._thread.join()
+            with self._waiting():
+                if not self.failed:
+                    self._queue.put(_Status(status))
+                self._queue.put(_STOP)
+                self._thread.join()
         if self._forked_from is None:
             self._lock.release()
         _live_writers.discard(self)
+
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """While a caller waits for the writer: it groups no more steps than are queued."""
+        with self._queue.not_empty:
+            self._flushing += 1
+            self._queue.not_empty.notify()  # the writer, should it be waiting for a group
+        try:
+            yield
+        finally:
+            with self._queue.mutex:
+                self._flushing -= 1
 
     def _forked(self) -> None:
         """In a child made by os.fork(): no writer thread here, and the parent's connection,
@@ -451,13 +480,7 @@ class StoreWriter:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            group = [item]
-            if isinstance(item, StepPayload):  # the steps queued right behind it (read only:
-                with self._queue.mutex:        # they keep their queue slots until written)
-                    for nxt in itertools.islice(self._queue.queue, MAX_GROUP - 1):
-                        if not isinstance(nxt, StepPayload):
-                            break
-                        group.append(nxt)
+            group = self._group(item)
             try:
                 if item is _STOP:
                     break
@@ -484,6 +507,32 @@ class StoreWriter:
         except sqlite3.Error:
             pass
         self._con.close()
+
+    def _group(self, item: Any) -> list[Any]:
+        """`item` and, if a step, the steps queued right behind it (read only: they keep their
+        queue slots until written). Fewer than GROUP_STEPS: waits up to GROUP_WAIT seconds
+        for more, unless a flush or close waits, another kind of item or a full queue
+        (back-pressure) is next."""
+        group = [item]
+        if not isinstance(item, StepPayload):
+            return group
+        q = self._queue
+        deadline = None
+        with q.not_empty:  # holds q.mutex; waiting lets it go
+            while True:
+                del group[1:]
+                for nxt in itertools.islice(q.queue, MAX_GROUP - 1):
+                    if not isinstance(nxt, StepPayload):
+                        return group
+                    group.append(nxt)
+                if (len(group) >= GROUP_STEPS or self._flushing
+                        or 0 < q.maxsize <= len(q.queue)):
+                    return group
+                now = time.monotonic()
+                deadline = now + GROUP_WAIT if deadline is None else deadline
+                if now >= deadline:
+                    return group
+                q.not_empty.wait(deadline - now)
 
     def _fail(self, item: Any, exc: Exception) -> None:
         """Disk full, unwritable, file gone: recording stops. Anything else: skip the item."""
@@ -536,8 +585,7 @@ class StoreWriter:
         the disk) rolls the group back and writes each step alone, as if never grouped;
         either way a step is committed whole or not at all."""
         ready = []
-        for p in steps:
-            summary = self._summarise(p)
+        for p, summary in zip(steps, self._summaries(steps)):
             if summary is None:
                 self._kpis_alone(p)
                 continue
@@ -664,6 +712,25 @@ class StoreWriter:
                 self._skip(f"KPI {name!r} of step {step}", f"{type(exc).__name__}: {exc}",
                            "{what} could not be stored ({key}); that value is skipped")
         return out
+
+    def _summaries(self, steps: list[StepPayload]) -> list[StepSummary | None]:
+        """Each step's summary (None: it failed, the step is skipped): the `GroupSummary` jobs
+        of equal key in one pass; should that fail, each step alone says what failed."""
+        out: list[StepSummary | None] = [None] * len(steps)
+        groups: dict[Any, list[int]] = {}
+        for i, p in enumerate(steps):
+            if isinstance(p.summarise, GroupSummary):
+                groups.setdefault(p.summarise.key, []).append(i)
+        for idx in groups.values():
+            if len(idx) > 1:
+                jobs = [steps[i].summarise for i in idx]
+                try:
+                    for i, summary in zip(idx, jobs[0].together(jobs), strict=True):  # type: ignore[union-attr]
+                        out[i] = summary
+                except Exception:  # noqa: BLE001 - retried alone below
+                    pass
+        return [summary if summary is not None else self._summarise(p)
+                for p, summary in zip(steps, out)]
 
     def _summarise(self, p: StepPayload) -> StepSummary | None:
         """Run the step's summary; a failure there loses this step only, not the writer."""
