@@ -1,9 +1,36 @@
-"""Small models and a training loop shared by the foundation tests."""
+"""Small models and a training loop shared by the foundation tests; loading a benchmark
+script as a module."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
 import torch
 from torch import nn
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@contextlib.contextmanager
+def benchmark_module(name: str) -> Iterator[ModuleType]:
+    """benchmarks/<name>.py loaded as module `name` (registered while in use: dataclasses and
+    the fork of a background process look it up); `workload`, which it imports, is dropped
+    afterwards so each test gets its own."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(name, None)
+        sys.modules.pop("workload", None)
 
 
 class MLP3(nn.Module):

@@ -3,27 +3,15 @@ the numbers of so short a run mean nothing)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import benchmark_module
 
 
 def test_recorder_loop_returns_ratios_for_every_clock() -> None:
-    spec = importlib.util.spec_from_file_location("recorder_loop",
-                                                  ROOT / "benchmarks" / "recorder_loop.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with benchmark_module("recorder_loop") as module:
         result = module.measure(rounds=2, block=2, warmup_rounds=0)
-    finally:
-        sys.modules.pop(spec.name, None)
-        sys.modules.pop("workload", None)
     for clock in ("wall", "thread", "process"):
         s = result[f"ratio_{clock}"]
         assert s["min"] <= s["q25"] <= s["median"] <= s["q75"] <= s["max"]
