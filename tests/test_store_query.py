@@ -14,6 +14,17 @@ import deepscope
 from tests.helpers import train_mlp
 
 
+def test_opening_a_scope_folder_names_the_runs_inside(tmp_path):
+    with deepscope.Scope(tmp_path / "exp", schedule=1) as scope:  # records into exp/run
+        train_mlp(scope, steps=1)
+    with pytest.raises(ValueError, match=r"no deepscope run at .*exp: .*it holds the run\(s\) "
+                                         r"run: pass .*exp[/\\]run$"):
+        deepscope.open_run(tmp_path / "exp")
+    with pytest.raises(ValueError, match=r"such as runs/baseline$"):  # nothing inside to name
+        deepscope.open_run(tmp_path / "exp" / "run" / "missing")
+    assert deepscope.open_run(tmp_path / "exp" / "run").steps() == [0]
+
+
 def test_existing_run_refused_unless_overwrite_or_resume(tmp_path):
     with deepscope.Scope(tmp_path, "r", schedule=1) as scope:
         train_mlp(scope, steps=2)

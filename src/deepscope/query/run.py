@@ -12,7 +12,7 @@ import pandas as pd
 
 from .. import catalogue
 from ..errors import CorruptRunError, DeepscopeWarning
-from ..store.layout import check_links, rank_files
+from ..store.layout import check_links, is_run_dir, rank_files
 from ..store.reader import StoreReader
 from ..store.schema import OPTIONAL_TABLES, STAT_COLUMNS
 from ..suggest import did_you_mean
@@ -54,8 +54,13 @@ class Run:
         check_links(self.path)
         files = rank_files(self.path)
         if not files:
+            # a Scope's folder holds its runs (Scope("runs") records into runs/run): name them
+            inner = sorted(p.name for p in self.path.iterdir()
+                           if p.is_dir() and is_run_dir(p)) if self.path.is_dir() else []
+            hint = (f"; it holds the run(s) {', '.join(inner[:5])}: pass "
+                    f"{self.path / inner[0]}" if inner else "")
             raise ValueError(f"no deepscope run at {self.path}: expected rank<N>.sqlite files "
-                             "inside; pass a run folder such as runs/baseline")
+                             f"inside; pass a run folder such as runs/baseline{hint}")
         self.name = self.path.name
         self._files = files
         self._readers: dict[int, StoreReader] = {}
