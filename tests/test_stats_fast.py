@@ -10,7 +10,7 @@ import torch
 from deepscope.recorder import fast
 from deepscope.recorder.fast import fused_summaries
 from deepscope.recorder.stats import array_views, small_summaries, tensor_stats
-from deepscope.recorder.summary import Capture, summarise_captures
+from deepscope.recorder.summary import Capture, StepCaptures, SummarySettings
 from deepscope.store import arrays
 from deepscope.store.schema import STAT_COLUMNS
 
@@ -205,7 +205,7 @@ def test_summarise_shares_one_tensor_under_two_names():
     caps = [Capture("a", "forward", 0, x, 0, False), Capture("b", "forward", 0, x, 0, False),
             Capture("c", "forward", 0, torch.randn(20, 300), 0, False)]
     released = []
-    summary = summarise_captures(caps, 2, 64, False, True, released.extend)
+    summary = StepCaptures(caps, SummarySettings(2, 64, False, True), released.extend)()
     assert [k[0] for k in summary.keys] == ["a", "b", "c"]
     np.testing.assert_array_equal(summary.stats[0], summary.stats[1])
     assert len(released) == 2                                  # one buffer per tensor
@@ -249,7 +249,7 @@ def test_summarise_equals_reference_on_random_mixes(seed):
     statistics and views are `tensor_stats` / `array_views` of it."""
     items = _random_mix(seed)
     caps = [Capture(f"t{k}", "forward", 0, x.clone(), bd, False) for k, (x, bd) in enumerate(items)]
-    summary = summarise_captures(caps, 3, 5, False, True)
+    summary = StepCaptures(caps, SummarySettings(3, 5, False, True))()
     views = {}
     for name, _, view, _, dtype, shape, part, offset, nbytes in summary.arrays:
         views[(name, view)] = arrays.decode(dtype, shape,

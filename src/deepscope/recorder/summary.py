@@ -67,15 +67,6 @@ class StepCaptures(NamedTuple):
         return summarise_steps(jobs)
 
 
-def summarise_captures(captures: list[Capture], max_samples: int, max_neurons: int,
-                       singular_values: bool, exact_views: bool,
-                       release: Callable[[list[torch.Tensor]], None] | None = None
-                       ) -> StepSummary:
-    """Statistics and array views of a step's captures (see `summarise_steps`)."""
-    settings = SummarySettings(max_samples, max_neurons, singular_values, exact_views)
-    return summarise_steps([StepCaptures(captures, settings, release)])[0]
-
-
 def summarise_steps(steps: list[StepCaptures]) -> list[StepSummary]:
     """Statistics and array views of each step's captures, copied to the host in one transfer
     each; the steps' tensors are summarised together (the fused path's ops are then shared
