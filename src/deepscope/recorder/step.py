@@ -25,6 +25,7 @@ from .graph import (
     memory_region,
     saved_attachments,
 )
+from .passes import PassFilter
 from .ranks import local_values
 from .summary import Capture, StepCaptures, SummarySettings
 
@@ -151,6 +152,7 @@ class StepRecorder:
         self._grads: dict[tuple[str, int], torch.Tensor] = {}
         self._grad_versions: dict[tuple[str, int], int] = {}  # as received (see _snapshot_grads)
         self._owned: set[tuple[str, int]] = set()  # gradients we made (copies, sums)
+        self._passes = PassFilter(context.params.values())  # autograd.grad passes do not count
         self._activation_counts: dict[tuple[str, int], int] = {}
         # what module hooks saw of frozen modules: autograd has no edges from it
         self._module_calls: dict[tuple[str, int], ModuleCall] = {}
@@ -318,7 +320,9 @@ class StepRecorder:
         """Snapshot the gradients received so far under direction 'grad:<group>'.
 
         Use it between the backward passes of several losses; the plain 'grad' record at the
-        end of the step holds the sum over all backward passes.
+        end of the step holds the sum over the passes that accumulate into `.grad`
+        (`backward()`; not `torch.autograd.grad`), a parameter's since its `.grad` was last
+        set to None.
         """
         self._check_open("gradients")
         _check_name(group, "gradient group")
@@ -401,9 +405,15 @@ class StepRecorder:
     def _on_grad(self, key: tuple[str, int], grad: torch.Tensor,
                  param: torch.Tensor | None = None) -> None:
         """Keep the gradient of `key` (of `param`, a parameter's) that backward produced."""
-        if self._attachments is None:
+        if self._attachments is None:  # (before any pass can free the saved tensors)
             self._attach_saved()
+        if not self._passes.counts():
+            return  # an autograd.grad pass: its gradients never reach .grad
         prev = self._grads.get(key)
+        if prev is not None and param is not None and param.grad is None:
+            # .grad was set to None since the earlier pass (zero_grad between two backward
+            # passes, as SAM does): that pass's gradient is not in the .grad the step uses
+            prev = None
         if prev is not None:
             grad = prev + grad
             self._owned.add(key)
