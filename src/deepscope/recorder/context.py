@@ -13,6 +13,7 @@ import torch
 
 from ..records import QuantityValue, StepPayload
 from .buffers import BufferPool
+from .passes import ScaleCheck
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,9 @@ class StepContext:
     a failure marker). params / param_nodes: watched parameters by name, and their (graph
     node, role in node). graph_cache: dependency graphs by structure, shared across steps.
     infos: the `TensorInfo` of each tensor description seen (name, role, shape, ...), and
-    each parameter's, shared across steps (see `StepRecorder._info`).
+    each parameter's, shared across steps (see `StepRecorder._info`). scaler: the GradScaler
+    given to `watch` (recorded gradients are divided by its scale), else None; scale_check:
+    says when a loss arrives scaled without one (see `passes`).
     """
 
     scope: Any
@@ -46,6 +49,8 @@ class StepContext:
     max_neurons: int
     singular_values: bool
     exact_views: bool
+    scaler: Any
+    scale_check: ScaleCheck
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs ~8x, on every step

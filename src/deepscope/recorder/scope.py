@@ -29,6 +29,7 @@ from ..store.layout import check_run_name, rank_file, rank_files
 from ..store.writer import FINISHED, INTERRUPTED, RunLock, StoreWriter
 from .buffers import BufferPool
 from .context import StepContext, StepOutcome
+from .passes import ScaleCheck
 from .ranks import agree_run_id, any_rank, first_failure, run_meta, unwrap, world_size
 from .schedule import Schedule, as_schedule, every
 from .stats import DEFAULT_MAX_NEURONS
@@ -155,6 +156,8 @@ class Scope:
         self._kpi_rows: list[tuple[str, int, str, Any]] = []
         self._kpi_sent = time.monotonic()
         self._params: dict[str, torch.Tensor] = {}
+        self._scaler: Any = None  # a GradScaler given to watch()
+        self._scale_check = ScaleCheck(self._warn_once)
         self._param_nodes: dict[str, tuple[str, str]] = {}
         self._module_hooks: list[Any] = []
         self._stance: Any = None  # the force_eager stance of the open step, to restore
@@ -291,7 +294,7 @@ class Scope:
     # --- set-up -------------------------------------------------------------------------
     def watch(self, model: nn.Module, *, name: str | None = None, activations: bool = False,
               optimizer: torch.optim.Optimizer | None = None,
-              node_depth: int | None = None) -> nn.Module:
+              node_depth: int | None = None, scaler: Any = None) -> nn.Module:
         """Track every parameter of `model` (values and gradients) by dotted name.
 
         name: prefix for the names (default none): tensors, quantity layers, health findings
@@ -302,7 +305,10 @@ class Scope:
         of each step) is logged as the KPI "learning_rate" unless the step logs one itself;
         instruments read it too (CABS). node_depth:
         group parameters into graph nodes by the first `node_depth` parts of their module
-        path (default: the full module path). Returns the model unchanged.
+        path (default: the full module path). scaler: the `torch.amp.GradScaler` whose
+        `scale(loss).backward()` the steps run: recorded gradients are divided by the scale
+        of their pass, as `unscale_` divides `.grad` (without it they carry the scale, and a
+        warning says so). Returns the model unchanged.
 
         A `torch.compile`d model is watched through its original module (`_orig_mod`), so
         names are those of the eager model; a DistributedDataParallel model through its
@@ -314,6 +320,11 @@ class Scope:
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"scope.watch(...) needs a torch.nn.Module, got {type(model).__name__}")
+        if scaler is not None:
+            if not isinstance(scaler, torch.amp.GradScaler):
+                raise TypeError(f"scope.watch(..., scaler=...) needs a torch.amp.GradScaler, got "
+                                f"{type(scaler).__name__}")
+            self._scaler = scaler
         compiled = model
         model = unwrap(model)  # torch.compile's and DDP's wrappers
         names = ModelNames.of(model, name)  # the one source of names for everything below
@@ -414,7 +425,7 @@ class Scope:
         """The context of the next step: the last one while none of the settings in it
         changed (building one costs ~10 µs after a step's kernels, on every step)."""
         key = (self.monitor, self.instruments, self.keep_if, self.max_samples,
-               self.max_neurons, self.singular_values, self.exact_views)
+               self.max_neurons, self.singular_values, self.exact_views, self._scaler)
         if self._context is None or self._context[0] != key:
             self._context = (key, StepContext(
                 scope=self, begin=self._enter, end=self._end, guard=self._guard,
@@ -422,7 +433,8 @@ class Scope:
                 graph_cache=self._graph_cache, infos=self._infos, buffers=self.buffers,
                 monitor=self.monitor, instruments=self.instruments, keep_if=self.keep_if,
                 max_samples=self.max_samples, max_neurons=self.max_neurons,
-                singular_values=self.singular_values, exact_views=self.exact_views))
+                singular_values=self.singular_values, exact_views=self.exact_views,
+                scaler=self._scaler, scale_check=self._scale_check))
         return self._context[1]
 
     def _enter(self, rec: StepRecorder) -> None:

@@ -25,6 +25,7 @@ from .graph import (
     memory_region,
     saved_attachments,
 )
+from .passes import PassFilter
 from .ranks import local_values
 from .summary import Capture, StepCaptures, SummarySettings
 
@@ -36,6 +37,7 @@ _BATCHED_ROLES = ("input", "target", "activation", "output", "loss")
 AUTO = "auto"
 _MAX_FLOAT = int(torch.finfo(torch.float64).max)
 _MAX_INFOS = 4096  # TensorInfo kept across steps (StepContext.infos)
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def check_text(text: str, what: str) -> str:
@@ -151,6 +153,8 @@ class StepRecorder:
         self._grads: dict[tuple[str, int], torch.Tensor] = {}
         self._grad_versions: dict[tuple[str, int], int] = {}  # as received (see _snapshot_grads)
         self._owned: set[tuple[str, int]] = set()  # gradients we made (copies, sums)
+        # autograd.grad passes do not count; a GradScaler's scale is divided out
+        self._passes = PassFilter(context.params.values(), context.scaler)
         self._activation_counts: dict[tuple[str, int], int] = {}
         # what module hooks saw of frozen modules: autograd has no edges from it
         self._module_calls: dict[tuple[str, int], ModuleCall] = {}
@@ -318,7 +322,9 @@ class StepRecorder:
         """Snapshot the gradients received so far under direction 'grad:<group>'.
 
         Use it between the backward passes of several losses; the plain 'grad' record at the
-        end of the step holds the sum over all backward passes.
+        end of the step holds the sum over the passes that accumulate into `.grad`
+        (`backward()`; not `torch.autograd.grad`), a parameter's since its `.grad` was last
+        set to None.
         """
         self._check_open("gradients")
         _check_name(group, "gradient group")
@@ -401,13 +407,24 @@ class StepRecorder:
     def _on_grad(self, key: tuple[str, int], grad: torch.Tensor,
                  param: torch.Tensor | None = None) -> None:
         """Keep the gradient of `key` (of `param`, a parameter's) that backward produced."""
-        if self._attachments is None:
+        if self._attachments is None:  # (before any pass can free the saved tensors)
             self._attach_saved()
+        if not self._passes.counts():
+            return  # an autograd.grad pass: its gradients never reach .grad
+        scale = self._passes.scale
+        if scale is not None:  # a GradScaler's pass: the loss's gradient, as unscale_ gives
+            # (in float32: a half-precision gradient divided by the scale would underflow)
+            grad = (grad.float() if grad.dtype in _HALF else grad) / scale
+            self._owned.add(key)
         prev = self._grads.get(key)
+        if prev is not None and param is not None and param.grad is None:
+            # .grad was set to None since the earlier pass (zero_grad between two backward
+            # passes, as SAM does): that pass's gradient is not in the .grad the step uses
+            prev = None
         if prev is not None:
             grad = prev + grad
             self._owned.add(key)
-        elif param is not None and param.grad is None:
+        elif param is not None and param.grad is None and scale is None:
             # AccumulateGrad adopts this gradient as .grad, which the user may change in
             # place before the step ends (clip_grad_norm_, AMP's unscale_): a copy now. (Into
             # an existing .grad it adds, leaving this one alone.)
@@ -557,9 +574,15 @@ class StepRecorder:
                             self._iteration + 1)
 
     def _payload(self) -> StepPayload:
+        ctx = self._ctx
+        if ctx.scaler is None and not ctx.scale_check.done:
+            # the loss's gradient is ∂(backpropagated root)/∂loss: > 1 when scaled up
+            factor = next((g for (name, _), g in self._grads.items()
+                           if name in self._loss_names), None)
+            if factor is not None and factor.numel() == 1:
+                ctx.scale_check.note(factor)
         self._snapshot_grads("grad")
         cached = self._graph()
-        ctx = self._ctx
         self._copies.clear()  # the captures hold the copies; let the user's tensors go
         summarise = StepCaptures(self._captures, SummarySettings(
             ctx.max_samples, ctx.max_neurons, ctx.singular_values, ctx.exact_views),

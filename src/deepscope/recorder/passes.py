@@ -1,0 +1,125 @@
+"""Which backward passes of a step make its recorded gradients, and at what scale.
+
+A tensor hook fires in every pass that reaches its tensor: `loss.backward()`, but also a
+`torch.autograd.grad(loss, params)` that reads gradients without touching `.grad` (a
+gradient-norm penalty, a norm for logging, an inner step of meta-learning). Summing them all
+recorded twice the gradient the optimiser used. A pass counts when it accumulates into the
+`.grad` of a watched parameter, as `backward()` does; an `autograd.grad` pass does not.
+
+A `GradScaler`'s `scale(loss).backward()` multiplies every gradient by its scale until
+`unscale_` divides `.grad`; the recorder divides what it keeps by the scale of the pass
+(given the scaler), and says so when a loss arrives scaled without one (`ScaleCheck`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+# Present since torch 2.1; without it every pass counts (the sum, as before).
+_will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+_current_task = getattr(torch._C, "_current_graph_task_id", None)
+
+SCALED_LOSS = ("the registered loss reached backward() multiplied by {factor:g} (a GradScaler's "
+               "scale?): the recorded gradients are {factor:g}x those of the loss, and change "
+               "with the scale; pass the scaler, scope.watch(model, optimizer=opt, "
+               "scaler=scaler), to record them unscaled")
+
+
+def accumulates(params: Iterable[torch.Tensor]) -> bool:
+    """Whether the backward pass now running (call it from a hook inside one) accumulates into
+    the `.grad` of any of `params`. True when that cannot be told (no parameters requiring
+    gradients, a torch without the engine's query): every pass counts then."""
+    if _will_execute is None:
+        return True
+    asked = False
+    for p in params:
+        if not p.requires_grad or p.grad_fn is not None:
+            continue
+        asked = True
+        try:
+            if _will_execute(get_gradient_edge(p).node):
+                return True
+        except RuntimeError as exc:
+            # The engine refuses to answer for a leaf that autograd.grad captures (its
+            # gradient is returned, not accumulated): the answer is no. Anything else is not
+            # understood: count the pass, as without the query.
+            if "autograd.grad" not in str(exc):
+                return True
+    return not asked
+
+
+def scaler_scale(scaler: Any) -> torch.Tensor | None:
+    """The scale `scaler` multiplies losses by now, as a 0-dim tensor on its device (a copy:
+    `update()` changes it in place; no host sync), or None when it scales nothing."""
+    scale = getattr(scaler, "_scale", None)  # set by its first scale(); None when disabled
+    if not isinstance(scale, torch.Tensor) or not scaler.is_enabled():
+        return None
+    return scale.detach().reshape(()).clone()
+
+
+class PassFilter:
+    """Per backward pass (the engine's graph task), for the hooks of one step: whether it
+    counts (`accumulates(params)`) and, with a GradScaler, the scale it ran at. Each hook of
+    a pass asks; the first one works it out."""
+
+    __slots__ = ("_params", "_scaler", "_task", "_counts", "scale")
+
+    def __init__(self, params: Iterable[torch.Tensor], scaler: Any = None) -> None:
+        self._params = params
+        self._scaler = scaler
+        self._task: int | None = None
+        self._counts = True
+        self.scale: torch.Tensor | None = None  # of the running pass: divide its gradients
+
+    def counts(self) -> bool:
+        """Whether the running pass counts (see the module's docstring); sets `scale`."""
+        if _current_task is None:
+            return True
+        task = _current_task()
+        if task != self._task:
+            self._task = task
+            self._counts = accumulates(self._params)
+            self.scale = (scaler_scale(self._scaler) if self._counts and self._scaler is not None
+                          else None)
+        return self._counts
+
+
+class ScaleCheck:
+    """Warns (`warn`, once) when a recorded step's loss reached backward() multiplied by more
+    than 1 and no scaler was given. On the CPU the factor is read at once; on an accelerator
+    it is copied to the host without a sync and read at the next recorded step."""
+
+    def __init__(self, warn: Callable[[str], None]) -> None:
+        self._warn = warn
+        self._pending: tuple[torch.Tensor, Any] | None = None
+        self.done = False
+
+    def note(self, factor: torch.Tensor) -> None:
+        """`factor`: ∂(backpropagated root)/∂loss of this step (the loss's recorded gradient)."""
+        self._read_pending()
+        if self.done:
+            return
+        if factor.device.type == "cpu":
+            self._judge(float(factor))
+        elif factor.device.type == "cuda":
+            host = torch.empty((), dtype=factor.dtype, pin_memory=True)
+            host.copy_(factor.detach().reshape(()), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(factor.device))
+            self._pending = (host, event)
+
+    def _read_pending(self) -> None:
+        if self._pending is not None and self._pending[1].query():
+            host, self._pending = self._pending[0], None
+            self._judge(float(host))
+
+    def _judge(self, factor: float) -> None:
+        if math.isfinite(factor) and factor > 1.0 + 1e-6:  # (1 / k of accumulation is the
+            # loss's own: .grad keeps it)
+            self.done = True
+            self._warn(SCALED_LOSS.format(factor=factor))
