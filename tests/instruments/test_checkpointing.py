@@ -13,8 +13,6 @@ gradients `.grad`, in every case.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import nn
