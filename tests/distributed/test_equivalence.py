@@ -232,6 +232,7 @@ class _FakeCurvature:
     "global": it leaves its values as they are (traces 5); "fails": it fails on rank 1."""
 
     mode = "partials"
+    unreached: list = []  # every parameter reached (see CurvatureRunner.unreached)
 
     def run(self, mean_loss, params, due, step, forward_s, batch_size=None):
         import torch.distributed as dist

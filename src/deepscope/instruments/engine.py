@@ -252,6 +252,7 @@ class PerSampleEngine:
         self._sizes: list[tuple[int, int]] | None = None  # (micro, samples) in sample order
         self._effective: dict[int, list[tuple[int, Call]]] | None = None
         self._shared_forward: set[int] = set()  # losses whose backward met another's calls
+        self._nested: dict[int, int] = {}  # a checkpoint's nested backward -> its outer pass
         self._cache: dict[str, dict[str, Tensor]] = {}
         self._shared: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
         # parameter name -> its counter, complete, from a statistics sweep (count_in_sweeps)
@@ -314,6 +315,9 @@ class PerSampleEngine:
             in_versions=[x._version for x in tensor_leaves((args, kwargs))],
             extra=hooked.rule.capture(args, kwargs),
         )
+        task = _graph_task()
+        if task != -1:  # a checkpoint recomputing the forward inside a backward pass
+            call.task = task
         if hooked.rule.keeps_outputs:
             call.outputs = [leaves[j].detach() for j in slots]
             call.out_versions = [leaves[j]._version for j in slots]
@@ -327,14 +331,25 @@ class PerSampleEngine:
         self._built = None
         self._batch = None
 
+    def _task_now(self) -> int:
+        """The backward pass running now: a checkpoint's nested pass counts as the pass that
+        recomputed its forward (see `_on_grad`)."""
+        task = _graph_task()
+        return self._nested.get(task, task)
+
     def _micro_now(self) -> int | None:
         """The registered loss whose backward is running now, or None (another pass)."""
-        task = _graph_task()
+        task = self._task_now()
         return next((m for m, micro in enumerate(self._micros) if micro.task == task), None)
 
     def _on_grad(self, index: int, call: Call, slot: int, grad: Tensor) -> None:
         if hooks_paused():  # deepscope's own backward passes (curvature) are not the user's
             return
+        if call.task is not None and (now := _graph_task()) != call.task:
+            # torch.utils.checkpoint(use_reentrant=True) recomputed this call inside pass
+            # call.task and backpropagates through it in a pass of its own: that pass, and the
+            # parameter gradients it delivers, belong to call.task's
+            self._nested[now] = self._nested.get(call.task, call.task)
         if self._micros:
             micro = self._micro_now()
             if micro is None:  # another backward / autograd.grad pass: not the loss's
@@ -489,7 +504,7 @@ class PerSampleEngine:
     def _on_broadcast(self, index: int, call: Call, factor: float, grad_outputs: tuple) -> None:
         if hooks_paused() or grad_outputs[0] is None or call.error is not None:
             return
-        if self._micros[index].task != _graph_task():
+        if self._micros[index].task != self._task_now():
             return
         g = grad_outputs[0] if factor == 1 else grad_outputs[0] * factor
         call.broadcast = g if call.broadcast is None else call.broadcast + g

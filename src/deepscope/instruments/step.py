@@ -40,6 +40,9 @@ class StepState:
     reduction: str = "unknown"
     curvature: dict[str, Any] = field(default_factory=dict)  # see `CurvatureRunner.run`
     failed: dict[str, str] = field(default_factory=dict)  # quantity -> reason, from loss()
+    # parameters the curvature's autograd.grad did not reach, with their .grad then (see
+    # `grad_state`): one that gets a gradient anyway was hidden from the curvature
+    unreached: list[tuple[Tensor, Any]] = field(default_factory=list)
     hist_results: dict[str, tuple[dict[str, Histogram], dict]] | None = None
 
     def take_loss(self, loss: Tensor) -> None:
@@ -88,6 +91,20 @@ def zero_mean(grad_sq_norms: Tensor, sq_norm_sums: Tensor, batch_size: int, eps:
     float64, and a gradient test divided by it would read 1e15 — plausible-looking noise."""
     floor = (ROUNDOFF * eps) ** 2 * sq_norm_sums.double() / batch_size
     return grad_sq_norms.double() <= floor
+
+
+HIDDEN_FROM_CURVATURE = (
+    "parameter {name} gets its gradient from a backward pass of its own that "
+    "torch.autograd.grad cannot run (torch.utils.checkpoint with use_reentrant=True?): the "
+    "Hessian-vector products leave it out; use use_reentrant=False (Hugging Face: "
+    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{'use_reentrant': "
+    "False}}))")
+
+
+def grad_state(p: Tensor) -> tuple[int, int] | None:
+    """What `p.grad` is now (which tensor, its version), to tell later whether a backward
+    pass has written to it."""
+    return None if p.grad is None else (id(p.grad), p.grad._version)
 
 
 def missing(name: str, step: int, reason: str, layer: str = TOTAL) -> QuantityValue:

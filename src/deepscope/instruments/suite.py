@@ -71,7 +71,16 @@ from .quantities.curvature_runner import CurvatureRunner
 from .quantities.curvature_runner import hvp_seconds as _hvp_seconds
 from .sharded import ShardedStep, shard_squares
 from .sharding import fsdp2_model, local_shards
-from .step import ZERO_MEAN, StepState, missing, reduce_loss, rows, zero_mean
+from .step import (
+    HIDDEN_FROM_CURVATURE,
+    ZERO_MEAN,
+    StepState,
+    grad_state,
+    missing,
+    reduce_loss,
+    rows,
+    zero_mean,
+)
 
 Schedule = Callable[[int, str], bool]
 # A quantity's compute function: (the suite, the quantity's name, the step, the engine's
@@ -394,6 +403,7 @@ class Instruments:
                 mean_loss, list(self._params.values()), state.due, state.step, forward_s,
                 batch_size=batch)
             state.failed.update(failed)
+            state.unreached += [(p, grad_state(p)) for p in self._curvature.unreached]
             if before:
                 state.curvature, failed = self._curvature.merge(
                     previous, state.curvature, before, batch, state.due)
@@ -475,6 +485,11 @@ class Instruments:
             with contextlib.suppress(Exception):
                 self._want_dots(state, batch, update)
 
+        hidden = [p for p, before in state.unreached if grad_state(p) != before]
+        if hidden:  # the curvature, computed before backward, did not see these
+            name = next(n for n, p in self._params.items() if p is hidden[0])
+            state.failed.update(dict.fromkeys(due & needing("hessian"),
+                                              HIDDEN_FROM_CURVATURE.format(name=name)))
         loss_free = frozenset(self.quantities) - needing("loss")
         if state.loss is None and due - loss_free:
             self._warn(NO_LOSS_WARNING, frozenset(self.quantities) - loss_free)

@@ -30,6 +30,12 @@ SCALED_LOSS = ("the registered loss reached backward() multiplied by {factor:g} 
                "scaler=scaler), to record them unscaled")
 
 
+def in_backward() -> bool:
+    """Whether a backward pass is running: a forward now is a checkpoint's recomputation
+    (torch.utils.checkpoint runs the block's forward again inside backward)."""
+    return _current_task is not None and _current_task() != -1
+
+
 def accumulates(params: Iterable[torch.Tensor]) -> bool:
     """Whether the backward pass now running (call it from a hook inside one) accumulates into
     the `.grad` of any of `params`. True when that cannot be told (no parameters requiring

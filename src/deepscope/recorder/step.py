@@ -25,7 +25,7 @@ from .graph import (
     memory_region,
     saved_attachments,
 )
-from .passes import PassFilter
+from .passes import PassFilter, in_backward
 from .ranks import local_values
 from .summary import Capture, StepCaptures, SummarySettings
 
@@ -156,6 +156,8 @@ class StepRecorder:
         # autograd.grad passes do not count; a GradScaler's scale is divided out
         self._passes = PassFilter(context.params.values(), context.scaler)
         self._activation_counts: dict[tuple[str, int], int] = {}
+        self._recomputed_counts: dict[str, int] = {}  # module outputs a checkpoint recomputed
+        self._grad_hooked: set[tuple[str, int]] = set()  # tensors whose gradient is awaited
         # what module hooks saw of frozen modules: autograd has no edges from it
         self._module_calls: dict[tuple[str, int], ModuleCall] = {}
         self._attachments: dict | None = None
@@ -197,6 +199,9 @@ class StepRecorder:
         if not self._open:  # (tested here: a call less on every step)
             self._check_open("tensor")
         if not self.recording:
+            return
+        if in_backward():  # a checkpoint recomputing the forward: recorded already
+            self._ctx.guard(self._recomputed, name, tensor)
             return
         _check_name(name)
         if not isinstance(tensor, torch.Tensor):
@@ -355,6 +360,13 @@ class StepRecorder:
     def _record_output(self, path: str, is_root: bool, output: Any, module: torch.nn.Module,
                        inputs: Any) -> None:
         """A watched module's output (Scope.watch(activations=True)), by module path."""
+        if in_backward():  # a checkpoint recomputing the forward: recorded already
+            for suffix, t in named_leaves(output):
+                base = path + suffix
+                count = self._recomputed_counts.get(base, 0)
+                self._recomputed_counts[base] = count + 1
+                self._recomputed(base if count == 0 else f"{base}#{count + 1}", t)
+            return
         role = "output" if is_root else "activation"
         frozen = tuple(id(p) for p in module.parameters(recurse=False) if not p.requires_grad)
         if self._after_loss:  # the next micro-batch's forward (gradient accumulation)
@@ -386,6 +398,18 @@ class StepRecorder:
         self._record_values([(name, "forward", it, tensor, batch_dim)])
         if tensor.requires_grad:
             self._hooks.append(tensor.register_hook(self._grad_hook(name, it)))
+            self._grad_hooked.add((name, it))
+
+    def _recomputed(self, name: str, tensor: torch.Tensor) -> None:
+        """`name` computed again inside backward by a checkpoint: its value was recorded in
+        the forward. torch.utils.checkpoint(use_reentrant=True) ran that forward without
+        gradients and backpropagates through this recomputed tensor: its gradient is the
+        recorded one's (non-reentrant checkpoints backpropagate through the first)."""
+        key = next(((name, it) for it in range(self._iteration + 1)
+                    if (name, it) in self._seen and (name, it) not in self._grad_hooked), None)
+        if key is not None and tensor.requires_grad:
+            self._hooks.append(tensor.register_hook(self._grad_hook(*key)))
+            self._grad_hooked.add(key)
 
     def _grad_hook(self, name: str, iteration: int) -> Callable[[torch.Tensor], None]:
         key = (name, iteration)

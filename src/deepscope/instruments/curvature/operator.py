@@ -126,6 +126,10 @@ class HessianOperator:
         self._grads: list[tuple[int, Tensor]] | None = [
             (i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad
         ]
+        # Parameters autograd.grad does not reach from the loss: unused, or reached only by a
+        # backward pass of its own that autograd.grad cannot run (torch.utils.checkpoint with
+        # use_reentrant=True); a caller tells them apart by whether .grad gets a gradient.
+        self.unreached: list[int] = [i for i, g in enumerate(grads) if g is None]
 
     @property
     def batched(self) -> bool | None:

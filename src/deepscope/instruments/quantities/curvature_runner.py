@@ -97,6 +97,8 @@ class CurvatureRunner:
         self._step: dict[str, Any] = {}  # this rank's step so far: "diagonal_meta", "max_ev"
         self._auto_diagonal: tuple[str, str] | None = None  # "auto"'s (estimator, why)
         self._hvp_batched: bool | None = None  # vmapped HVPs verified on this model
+        # the last run's parameters its loss does not reach (see HessianOperator.unreached)
+        self.unreached: list[Tensor] = []
         self._ritz: Tensor | None = None  # the last HessMaxEV's top Ritz vector: a warm start
 
     def run(
@@ -131,8 +133,10 @@ class CurvatureRunner:
             # parameters: two vmapped 8.0 ms, two plain 6.8 ms)
             dim = sum(p.numel() for p in params)
             one_by_one = 1 if mean_loss.device.type == "cpu" and dim >= CPU_PLAIN_HVP_DIM else None
+            self.unreached = []
             with paused(), HessianOperator(mean_loss, params, one_by_one,
                                            batched=self._hvp_batched) as op:
+                self.unreached = [params[i] for i in op.unreached]
                 if due & needing("diagonal"):
                     try:
                         diagonal, choice = self._diagonal(op, seed, step, forward_s)
@@ -166,9 +170,11 @@ class CurvatureRunner:
         dim = sum(p.numel() for p in params)
         one_by_one = 1 if mean_loss.device.type == "cpu" and dim >= CPU_PLAIN_HVP_DIM else None
         op, reason = None, ""
+        self.unreached = []
         with paused():
             try:
                 op = HessianOperator(mean_loss, params, one_by_one, batched=self._hvp_batched)
+                self.unreached = [params[i] for i in op.unreached]
             except Exception as error:
                 reason = describe(error)
             try:

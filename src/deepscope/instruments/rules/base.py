@@ -59,6 +59,8 @@ class Call:
              materialised when its output gradient arrived (rules with `early`); its inputs,
              outputs and output gradients are then dropped.
     samples: its batch size, when `kept` replaced the inputs it is read from.
+    task:    the backward pass (autograd graph task) the call was captured in, when a
+             checkpoint recomputed it there (torch.utils.checkpoint); None for a forward.
     """
 
     args: tuple[Any, ...]
@@ -75,6 +77,7 @@ class Call:
     error: str | None = None
     kept: dict[str, Tensor] | None = None
     samples: int | None = None
+    task: int | None = None
 
 
 @dataclass
