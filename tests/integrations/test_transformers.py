@@ -55,7 +55,8 @@ def _optimizer(model):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
 
 
-def _train(hf, model, tmp_path, run: str, k: int, **extra) -> None:
+def _train(hf, model, tmp_path, run: str, k: int, training: dict | None = None,
+           **extra) -> None:
     from deepscope.integrations.transformers import DeepscopeCallback
 
     class InOrder(hf.Trainer):  # the hand-written loop takes the batches in order too
@@ -66,7 +67,8 @@ def _train(hf, model, tmp_path, run: str, k: int, **extra) -> None:
                                 per_device_train_batch_size=BATCH,
                                 gradient_accumulation_steps=k, max_grad_norm=CLIP,
                                 report_to="none", save_strategy="no", logging_strategy="no",
-                                use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
+                                use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+                                **(training or {}))
     callback = DeepscopeCallback(tmp_path, run, **SCOPE)
     if extra.pop("wrap_loss", False):
         extra["compute_loss_func"] = callback.loss_function(_hand_losses)
@@ -145,6 +147,20 @@ def test_callback_equals_hand_written_loop(hf, tmp_path, task, k):
         labels = torch.stack([d["labels"] for d in _data(task, k)])[:, 1:]
         per_step = labels.ne(-100).sum(1).reshape(STEPS, k * BATCH).sum(1)
         assert tokens == per_step.tolist() == [47, 47, 50]  # predicted tokens, shifted
+
+
+def test_activation_checkpointing_changes_nothing(hf, tmp_path):
+    """The Trainer's activation checkpointing with reentrant checkpoints: each GPT-2 block's
+    gradients arrive in a backward pass of its own (GradNorm and the gradient tests were
+    silently wrong before 2026-12-02); the values are the hand-written loop's without it."""
+    torch.manual_seed(0)
+    model = _gpt2(hf)
+    hand = copy.deepcopy(model)
+    _train(hf, model, tmp_path, "trainer", 2, training=dict(
+        activation_checkpointing=True,
+        activation_checkpointing_kwargs={"use_reentrant": True}))
+    _hand_loop(hand, tmp_path, "hand", "gpt2", 2)
+    _assert_same_run(tmp_path / "trainer", tmp_path / "hand", rtol=1e-5)
 
 
 def test_explicit_loss_function(hf, tmp_path):
