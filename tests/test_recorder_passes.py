@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import deepscope
-from deepscope.recorder.passes import accumulates
+from deepscope.backward import accumulates
 
 CASES = ("inspect", "penalty", "input_penalty", "sam", "two_losses")
 

@@ -178,10 +178,12 @@ def test_inconsistent_micro_batch_losses_fail_in_one_line() -> None:
 
 # -- extra backward passes ---------------------------------------------------------------
 def penalised_run(model: nn.Module, extra: bool, steps: int = 2) -> Values:
-    """A step whose update is the cross-entropy's; with `extra`, the step also runs an
-    input-gradient penalty (create_graph=True through the loss's graph), a metric
-    autograd.grad of that penalty, and a backward pass of another forward that accumulates
-    into the input only."""
+    """A step whose update is the cross-entropy's; with `extra`, the step also runs, before
+    it, a plain autograd.grad of the loss for the last parameter only (a gradient read for
+    logging: it claimed the loss's pass before 2026-12-02, leaving the other layers without
+    per-sample gradients), an input-gradient penalty (create_graph=True through the loss's
+    graph), a metric autograd.grad of that penalty, and a backward pass of another forward
+    that accumulates into the input only."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     inst = Instruments(model, FIRST_ORDER + EXACT, optimizer=opt, curvature="exact")
     values: Values = {}
@@ -193,6 +195,7 @@ def penalised_run(model: nn.Module, extra: bool, steps: int = 2) -> Values:
         losses = F.cross_entropy(model(x), y, reduction="none")
         inst.loss(losses.mean(), per_sample=losses)
         if extra:
+            torch.autograd.grad(losses.mean(), list(model.parameters())[-1:], retain_graph=True)
             (gx,) = torch.autograd.grad(losses.sum(), x, create_graph=True)
             penalty = gx.square().sum()
             torch.autograd.grad(penalty, list(model.parameters()), retain_graph=True)

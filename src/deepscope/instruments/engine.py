@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from ..backward import accumulates
 from ..hookstate import hooks_paused
 from ..naming import ModelNames
 from .rules import GenericRule, rule_for
@@ -439,8 +440,8 @@ class PerSampleEngine:
 
     def _on_root(self, index: int, via_parts: bool, grad_outputs: tuple) -> None:
         """A backward pass reached loss `index`: claim it unless a better one already did."""
-        if hooks_paused():
-            return
+        if hooks_paused() or not accumulates(self._params.values()):
+            return  # an autograd.grad pass (a norm for logging, a penalty): not .grad's
         micro = self._micros[index]
         task, differentiable = _graph_task(), torch.is_grad_enabled()
         if micro.task is not None and (not micro.provisional or differentiable):

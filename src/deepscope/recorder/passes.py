@@ -1,10 +1,8 @@
 """Which backward passes of a step make its recorded gradients, and at what scale.
 
-A tensor hook fires in every pass that reaches its tensor: `loss.backward()`, but also a
-`torch.autograd.grad(loss, params)` that reads gradients without touching `.grad` (a
-gradient-norm penalty, a norm for logging, an inner step of meta-learning). Summing them all
-recorded twice the gradient the optimiser used. A pass counts when it accumulates into the
-`.grad` of a watched parameter, as `backward()` does; an `autograd.grad` pass does not.
+A pass counts when it accumulates into the `.grad` of a watched parameter, as `backward()`
+does; an `autograd.grad` pass does not (`deepscope.backward.accumulates`): summing it in
+recorded twice the gradient the optimiser used.
 
 A `GradScaler`'s `scale(loss).backward()` multiplies every gradient by its scale until
 `unscale_` divides `.grad`; the recorder divides what it keeps by the scale of the pass
@@ -18,45 +16,16 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.autograd.graph import get_gradient_edge
+
+from ..backward import accumulates
 
 # Present since torch 2.1; without it every pass counts (the sum, as before).
-_will_execute = getattr(torch._C, "_will_engine_execute_node", None)
 _current_task = getattr(torch._C, "_current_graph_task_id", None)
 
 SCALED_LOSS = ("the registered loss reached backward() multiplied by {factor:g} (a GradScaler's "
                "scale?): the recorded gradients are {factor:g}x those of the loss, and change "
                "with the scale; pass the scaler, scope.watch(model, optimizer=opt, "
                "scaler=scaler), to record them unscaled")
-
-
-def in_backward() -> bool:
-    """Whether a backward pass is running: a forward now is a checkpoint's recomputation
-    (torch.utils.checkpoint runs the block's forward again inside backward)."""
-    return _current_task is not None and _current_task() != -1
-
-
-def accumulates(params: Iterable[torch.Tensor]) -> bool:
-    """Whether the backward pass now running (call it from a hook inside one) accumulates into
-    the `.grad` of any of `params`. True when that cannot be told (no parameters requiring
-    gradients, a torch without the engine's query): every pass counts then."""
-    if _will_execute is None:
-        return True
-    asked = False
-    for p in params:
-        if not p.requires_grad or p.grad_fn is not None:
-            continue
-        asked = True
-        try:
-            if _will_execute(get_gradient_edge(p).node):
-                return True
-        except RuntimeError as exc:
-            # The engine refuses to answer for a leaf that autograd.grad captures (its
-            # gradient is returned, not accumulated): the answer is no. Anything else is not
-            # understood: count the pass, as without the query.
-            if "autograd.grad" not in str(exc):
-                return True
-    return not asked
 
 
 def scaler_scale(scaler: Any) -> torch.Tensor | None:

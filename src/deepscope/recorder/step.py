@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..backward import in_backward
 from ..distributed import is_dtensor
 from ..hookstate import hooks_paused
 from ..naming import named_leaves
@@ -25,7 +26,7 @@ from .graph import (
     memory_region,
     saved_attachments,
 )
-from .passes import PassFilter, in_backward
+from .passes import PassFilter
 from .ranks import local_values
 from .summary import Capture, StepCaptures, SummarySettings
 
