@@ -403,3 +403,25 @@ def test_a_tensor_registered_after_the_loss_of_one_batch_stays_in_its_iteration(
     run = deepscope.open_run(tmp_path / "r")
     assert {t["name"] for t in run.graph(0, iteration=0)["tensors"]} >= {"input", "output"}
     assert run.step_table()["iterations"].tolist() == [1]
+
+
+def test_samples_a_loss_ignores_are_said() -> None:
+    """cross_entropy(ignore_index=-100)'s mean over the valid targets is the sum of per_sample
+    over its non-zero values: the instruments count every row (the ignored ones with zero
+    gradient), which a warning says; a sum loss, or one divided by k micro-batches, is not
+    one."""
+    model = mlp()
+    inst = Instruments(model, ["GradNorm", "NormTest"])
+    x, y = data(model, 6, 0)
+    y[::3] = -100
+    for step, ignore in enumerate((False, True)):
+        inst.start(step, "train")
+        losses = F.cross_entropy(model(x), y.clamp(min=0) if not ignore else y,
+                                 reduction="none")
+        loss = losses.sum() / 2 if not ignore else F.cross_entropy(model(x), y)
+        inst.loss(loss, per_sample=losses)
+        loss.backward()
+        inst.finish()
+        said = [w for w in inst.warnings if "ignore_index" in w]
+        assert len(said) == ignore, step
+    assert "its 4 non-zero values of 6" in said[0]

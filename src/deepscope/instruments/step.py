@@ -101,6 +101,15 @@ HIDDEN_FROM_CURVATURE = (
     "False}}))")
 
 
+IGNORED_SAMPLES = (
+    "the loss is the sum of per_sample over its {k} non-zero values of {n} (a mean over valid "
+    "targets: cross_entropy's ignore_index?): the instruments count all {rows} samples, the "
+    "ignored ones with zero loss and gradient, so GradNorm is about {k}/{n} of the loss's "
+    "gradient norm and the gradient tests count them; pass per-sample losses that are each "
+    "a mean over valid targets (e.g. per sequence), or keep ignored samples out of "
+    "instrumented steps")
+
+
 def grad_state(p: Tensor) -> tuple[int, int] | None:
     """What `p.grad` is now (which tensor, its version), to tell later whether a backward
     pass has written to it."""

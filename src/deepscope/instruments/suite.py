@@ -73,6 +73,7 @@ from .sharded import ShardedStep, shard_squares
 from .sharding import fsdp2_model, local_shards
 from .step import (
     HIDDEN_FROM_CURVATURE,
+    IGNORED_SAMPLES,
     ZERO_MEAN,
     StepState,
     grad_state,
@@ -348,6 +349,15 @@ class Instruments:
             self._engine.start()
             state.engine_on = True
 
+    def _warn_if_ignored(self, per_sample: Tensor, k: int) -> None:
+        """A loss that is the sum of per_sample over exactly its k non-zero values is a mean
+        over valid targets (cross_entropy's ignore_index): the ignored samples still count
+        as samples (see IGNORED_SAMPLES)."""
+        n = per_sample.numel()
+        if int((per_sample.detach() == 0).sum()) == n - k > 0:
+            self._warn(IGNORED_SAMPLES.format(k=k, n=n, rows=per_sample.shape[0]),
+                       frozenset(self.quantities) & needing("engine"))
+
     def loss(self, loss: Tensor, per_sample: Tensor | None) -> None:
         """Take the loss after the forward, before the user's backward; run curvature.
 
@@ -388,6 +398,8 @@ class Instruments:
         if not isinstance(per_sample, Tensor) or per_sample.dim() < 1 or per_sample.numel() == 0:
             raise TypeError("per_sample must be a non-empty tensor of per-sample losses (B, ...)")
         losses, scale, kind = reduce_loss(loss, per_sample)
+        if kind == "sum" and scale >= 2:
+            self._warn_if_ignored(per_sample, int(scale))
         reduction = "sum" if kind == "sum" and losses.shape[0] > 1 else "mean"
         before = state.take_losses(losses, reduction)
         if state.engine_on:
