@@ -15,7 +15,7 @@ from torch.nn.utils import parametrize
 
 from .base import Call, Context, ModuleGrads, Rule, Unsupported
 from .conv import ConvRule
-from .embedding import EmbeddingRule
+from .embedding import EmbeddingBagRule, EmbeddingRule
 from .generic import GenericRule, MultiheadAttentionRule, ParametrizedRule, RNNRule
 from .linear import Conv1DRule, LinearRule
 from .norm import NormRule, rms_norm_type
@@ -27,6 +27,7 @@ _REGISTRY: dict[type[nn.Module], type[Rule]] = {
     nn.Conv2d: ConvRule,
     nn.Conv3d: ConvRule,
     nn.Embedding: EmbeddingRule,
+    nn.EmbeddingBag: EmbeddingBagRule,
     nn.LayerNorm: NormRule,
     nn.GroupNorm: NormRule,
     nn.BatchNorm1d: NormRule,
@@ -84,6 +85,7 @@ __all__ = [
     "Context",
     "Conv1DRule",
     "ConvRule",
+    "EmbeddingBagRule",
     "EmbeddingRule",
     "GenericRule",
     "LSTMRule",
