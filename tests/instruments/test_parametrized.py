@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrizations as P
+from torch.nn.utils import parametrize
 
 from deepscope.instruments.rules import ParametrizedRule, rule_for
 
@@ -88,3 +89,16 @@ def test_spectral_norm_in_train_mode_uses_each_calls_power_iteration() -> None:
     engine = run_engine(model, (x,), target, ce, "mean")
     check_all(engine, ref, dots_first=True)
     assert engine.warnings == []
+
+
+def test_statistics_inside_parametrize_cached() -> None:
+    """Inside the user's `parametrize.cached()` a re-run would read the cached weight, made
+    from the real originals rather than the re-run's copies: the originals' per-sample
+    gradients came out 0, silently."""
+    torch.manual_seed(0)
+    model = _mlp(P.weight_norm).double()
+    x, target = rand(B, 5), torch.randint(0, 3, (B,))
+    ref = reference(model, (x,), target, ce)
+    with parametrize.cached():
+        engine = run_engine(model, (x,), target, ce, "mean")
+        check_all(engine, ref, dots_first=False)

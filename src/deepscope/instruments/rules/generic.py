@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp, vmap
+from torch.nn.utils import parametrize
 
 from ...hookstate import paused
 from .base import (
@@ -362,8 +363,9 @@ class ParametrizedRule(GenericRule):
     The re-run must compute the tensor the forward computed: the parametrizations' buffers
     (spectral_norm's power-iteration vectors) are taken as each call's forward left them
     and the parametrizations run in eval mode (in train mode spectral_norm would iterate
-    again). Batch dims are those of the module type's rule when that is a generic one
-    (nn.RNN, nn.MultiheadAttention), else dim 0.
+    again), outside any `parametrize.cached()` of the user's. Batch dims are those of the
+    module type's rule when that is a generic one (nn.RNN, nn.MultiheadAttention), else
+    dim 0.
     """
 
     recursive = True  # owns the originals, parameters of the parametrizations submodule
@@ -384,9 +386,13 @@ class ParametrizedRule(GenericRule):
         parametrizations = self.module.parametrizations
         modes = [(m, m.training) for m in parametrizations.modules()]
         parametrizations.eval()
+        # inside the user's parametrize.cached() the tensor would come from the cache, made
+        # from the real originals, not the re-run's copies (whose gradients would be 0)
+        cache_enabled, parametrize._cache_enabled = parametrize._cache_enabled, 0
         try:
             yield
         finally:
+            parametrize._cache_enabled = cache_enabled
             for m, training in modes:
                 m.training = training
 
