@@ -343,12 +343,12 @@ class Instruments:
                 state.theta0_here = True
             if due & needing("snapshot"):
                 state.theta = [p.detach().clone() for p in params]
-        if not self._sharded:
-            state.versions = [p._version for p in params]
             if "Distance" in due:
                 diffs = [p - p0 for p, p0 in zip(params, self._theta0)]
                 state.distance = (shard_squares(diffs, list(self._params.values()))
                                   if self._sharded else layer_norms(diffs))
+        if not self._sharded:  # (a forward's in-place edits: see _forward_edits)
+            state.versions = [p._version for p in params]
         if self._engine is not None and (due & needing("engine") or alpha_end):
             self._engine.start()
             state.engine_on = True
