@@ -31,6 +31,9 @@ class StepState:
     started_at: tuple[float, float]
     engine_on: bool = False
     theta: list[Tensor] | None = None  # θₜ per parameter tensor, when a quantity needs it
+    # the parameters' version counters when θₜ was last read (None: sharded, not checked)
+    versions: list[int] | None = None
+    theta0_here: bool = False  # θ₀ (Distance's origin) was taken at this step's start
     update_sizes: Tensor | None = None  # (K + 1,) ‖dₜ‖ per tensor, then in total
     distance: Tensor | None = None  # (K + 1,) ‖θₜ − θ₀‖ per tensor, then in total
     loss: Tensor | None = None  # L, float64 scalar

@@ -107,6 +107,8 @@ def computes(*names: str) -> Callable[[Compute], Compute]:
 HUTCHINSON_SAMPLES = 2
 LANCZOS_ITER = 10
 NO_LOSS = "loss() was not called in this step; call rec.loss(loss, per_sample=losses)"
+FORWARD_EDIT = ("the forward changed parameter '{name}' in place (e.g. nn.Embedding(max_norm=...) "
+                "renormalising the rows it reads)")
 NO_LOSS_WARNING = ("an instrumented step had no rec.loss(...): its quantities (all but Distance "
                    "and UpdateSize) are missing; call rec.loss(loss, per_sample=losses) inside "
                    "every instrumented step")
@@ -339,12 +341,15 @@ class Instruments:
         with torch.no_grad():
             if self._theta0 is None and "Distance" in self.quantities:
                 self._theta0 = [p.detach().clone() for p in params]
+                state.theta0_here = True
             if due & needing("snapshot"):
                 state.theta = [p.detach().clone() for p in params]
             if "Distance" in due:
                 diffs = [p - p0 for p, p0 in zip(params, self._theta0)]
                 state.distance = (shard_squares(diffs, list(self._params.values()))
                                   if self._sharded else layer_norms(diffs))
+        if not self._sharded:  # (a forward's in-place edits: see _forward_edits)
+            state.versions = [p._version for p in params]
         if self._engine is not None and (due & needing("engine") or alpha_end):
             self._engine.start()
             state.engine_on = True
@@ -384,6 +389,7 @@ class Instruments:
             raise RuntimeError("loss() called outside a step; call start(step, kind) first")
         if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
             raise TypeError("loss must be a scalar floating-point tensor (the reduced loss)")
+        self._forward_edits(state)
         per_sample_needed = needing("engine") | needing("hessian")
         needs = state.due & per_sample_needed | ({"Alpha"} if state.alpha_end else set())
         state.calls += 1
@@ -420,6 +426,43 @@ class Instruments:
                 state.curvature, failed = self._curvature.merge(
                     previous, state.curvature, before, batch, state.due)
                 state.failed.update(failed)
+
+    def _forward_edits(self, state: StepState) -> None:
+        """θₜ is where the step's loss was evaluated. A parameter that the forward changed in
+        place since θₜ was read (nn.Embedding(max_norm=...) renormalises the rows it reads)
+        is read again at the first micro-batch (θₜ, θ₀ at the first step, Distance); the
+        previous step's α, whose end point is then off its update line, and, when a later
+        micro-batch changes it again, this step's α (its samples saw different θ) are
+        missing with the reason."""
+        if state.versions is None:
+            return
+        params = self._own_params()
+        versions = [p._version for p in params]
+        changed = [k for k, (p, v) in enumerate(zip(params, versions))
+                   if v != state.versions[k]
+                   and (state.theta is None or not torch.equal(p, state.theta[k]))]
+        state.versions = versions
+        if not changed:
+            return
+        reason = FORWARD_EDIT.format(name=self._names[changed[0]])
+        if state.alpha_end is not None:
+            self._deferred.append(missing("Alpha", state.alpha_end.step,
+                                          f"{reason} at the next step: α's end point is off "
+                                          "the update line"))
+            state.alpha_end = None
+        if state.calls:
+            if "Alpha" in state.due:
+                state.failed["Alpha"] = (f"{reason} between micro-batches: the step's samples "
+                                         "saw different parameters")
+            return
+        with torch.no_grad():
+            for k in changed:
+                if state.theta is not None:
+                    state.theta[k] = params[k].clone()
+                if state.theta0_here:
+                    self._theta0[k] = params[k].clone()
+            if state.distance is not None:
+                state.distance = layer_norms([p - p0 for p, p0 in zip(params, self._theta0)])
 
     def finish(self) -> list[QuantityValue]:
         """Compute every due quantity after the user's backward and optimiser step.

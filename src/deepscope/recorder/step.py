@@ -436,6 +436,9 @@ class StepRecorder:
             self._attach_saved()
         if not self._passes.counts():
             return  # an autograd.grad pass: its gradients never reach .grad
+        if grad.layout != torch.strided:  # nn.Embedding(sparse=True)'s: recorded densified,
+            grad = grad.to_dense()  # the parameter's size (its statistics count every row)
+            self._owned.add(key)
         scale = self._passes.scale
         if scale is not None:  # a GradScaler's pass: the loss's gradient, as unscale_ gives
             # (in float32: a half-precision gradient divided by the scale would underflow)

@@ -123,8 +123,10 @@ class HessianOperator:
                 raise
         # Gradient parts that do not depend on the parameters (unused parameters, or
         # a loss linear in them) have zero Hessian rows; only the others are differentiated.
+        # nn.Embedding(sparse=True) gives a sparse gradient: densified, still differentiable
         self._grads: list[tuple[int, Tensor]] | None = [
-            (i, g) for i, g in enumerate(grads) if g is not None and g.requires_grad
+            (i, g if g.layout == torch.strided else g.to_dense())
+            for i, g in enumerate(grads) if g is not None and g.requires_grad
         ]
         # Parameters autograd.grad does not reach from the loss: unused, or reached only by a
         # backward pass of its own that autograd.grad cannot run (torch.utils.checkpoint with
@@ -239,7 +241,7 @@ class HessianOperator:
             if h is None:
                 part.zero_()  # a parameter the gradient does not depend on
             else:
-                part.copy_(h.reshape(k, -1))
+                part.copy_((h if h.layout == torch.strided else h.to_dense()).reshape(k, -1))
         return out
 
     def _check_flat(self, x: Tensor, name: str, batched: bool) -> None:

@@ -4,16 +4,19 @@
 for a known type of another library (by its module path and name, so that the library is
 never imported), then the first registered base class it derives from *without overriding
 `forward`* (a subclass with its own forward computes something else), else the generic rule.
+A module with parametrizations (torch.nn.utils.parametrize) gets `ParametrizedRule`: its
+type's closed form would give gradients of the computed tensor, not of its parameters.
 """
 
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .base import Call, Context, ModuleGrads, Rule, Unsupported
 from .conv import ConvRule
-from .embedding import EmbeddingRule
-from .generic import GenericRule, MultiheadAttentionRule, RNNRule
+from .embedding import EmbeddingBagRule, EmbeddingRule
+from .generic import GenericRule, MultiheadAttentionRule, ParametrizedRule, RNNRule
 from .linear import Conv1DRule, LinearRule
 from .norm import NormRule, rms_norm_type
 from .recurrent import LSTMRule
@@ -24,6 +27,7 @@ _REGISTRY: dict[type[nn.Module], type[Rule]] = {
     nn.Conv2d: ConvRule,
     nn.Conv3d: ConvRule,
     nn.Embedding: EmbeddingRule,
+    nn.EmbeddingBag: EmbeddingBagRule,
     nn.LayerNorm: NormRule,
     nn.GroupNorm: NormRule,
     nn.BatchNorm1d: NormRule,
@@ -58,6 +62,13 @@ def register_rule(module_type: type[nn.Module], rule: type[Rule]) -> None:
 
 def rule_for(module: nn.Module) -> type[Rule]:
     """The rule class for `module` (see the module docstring for the order)."""
+    if parametrize.is_parametrized(module):
+        return ParametrizedRule
+    return type_rule(module)
+
+
+def type_rule(module: nn.Module) -> type[Rule]:
+    """The rule class for `module`'s type, parametrizations aside."""
     kind = type(module)
     if kind in _REGISTRY:
         return _REGISTRY[kind]
@@ -74,6 +85,7 @@ __all__ = [
     "Context",
     "Conv1DRule",
     "ConvRule",
+    "EmbeddingBagRule",
     "EmbeddingRule",
     "GenericRule",
     "LSTMRule",
@@ -81,6 +93,7 @@ __all__ = [
     "ModuleGrads",
     "MultiheadAttentionRule",
     "NormRule",
+    "ParametrizedRule",
     "RNNRule",
     "Rule",
     "Unsupported",

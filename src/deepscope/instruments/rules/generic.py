@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp, vmap
+from torch.nn.utils import parametrize
 
 from ...hookstate import paused
 from .base import (
@@ -61,6 +62,7 @@ class _Prepared:
     out_dims: list[int]
     params: dict[str, Tensor]  # parameter copies from forward time
     recorded: list[Tensor | None]  # recorded outputs (None where modified in place since)
+    buffers: dict[str, Tensor]  # buffer copies from forward time (over the step's copies)
 
 
 class GenericGrads(ModuleGrads):
@@ -80,7 +82,9 @@ class GenericGrads(ModuleGrads):
     def _run(self, call: _Prepared, leaves: list[Tensor], params: dict[str, Tensor]) -> tuple:
         """The call's gradient-carrying outputs, re-run on `leaves` with `params`."""
         args, kwargs = call.rebuild(leaves)
-        out = functional_call(self.rule.module, {**self.buffers, **params}, args, kwargs)
+        with self.rule.rerunning():
+            out = functional_call(self.rule.module, {**self.buffers, **call.buffers, **params},
+                                  args, kwargs)
         outs = tensor_leaves(out)
         return tuple(outs[j] for j in call.select)
 
@@ -227,9 +231,11 @@ class GenericRule(Rule):
     def reset(self) -> None:
         self._copies = {}
 
-    def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Tensor]:
+    def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+                ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """Copies of the parameters as used in this forward (the optimiser may change them);
-        several calls in one step share a copy while the parameter is unchanged."""
+        several calls in one step share a copy while the parameter is unchanged. And copies
+        of the buffers `forward_buffers` names, as this forward left them."""
         copies = {}
         for name, p in self.params.items():
             kept = self._copies.get(name)
@@ -237,7 +243,16 @@ class GenericRule(Rule):
                 kept = (p.detach().clone(), p._version)
                 self._copies[name] = kept
             copies[name] = kept[0]
-        return copies
+        return copies, {n: b.detach().clone() for n, b in self.forward_buffers()}
+
+    def forward_buffers(self) -> list[tuple[str, Tensor]]:
+        """(module-local name, buffer) of the buffers a re-run must see as each call's
+        forward left them (default: none; the others as at the end of the step)."""
+        return []
+
+    def rerunning(self) -> contextlib.AbstractContextManager:
+        """Context of a functional re-run of the module (default: none)."""
+        return contextlib.nullcontext()
 
     def batch_size(self, call: Call) -> int:
         leaves = tensor_leaves((call.args, call.kwargs))
@@ -284,7 +299,9 @@ class GenericRule(Rule):
             it = iter(new)
             return map_tensors((call.args, call.kwargs), lambda _: next(it))
 
-        return _Prepared(leaves, in_dims, rebuild, select, gouts, out_dims, call.extra, recorded)
+        params, buffers = call.extra
+        return _Prepared(leaves, in_dims, rebuild, select, gouts, out_dims, params, recorded,
+                         buffers)
 
 
 class MultiheadAttentionRule(GenericRule):
@@ -335,3 +352,55 @@ class RNNRule(GenericRule):
 
     def out_dim(self, index: int, y: Tensor, batch: int) -> int | None:
         return self._dim() if index == 0 else 1
+
+
+class ParametrizedRule(GenericRule):
+    """A module with torch.nn.utils.parametrize parametrizations (weight_norm, spectral_norm,
+    orthogonal, ...): its trainable parameters are the originals under `parametrizations.`
+    and the tensor its forward uses is computed from them at each call, so the closed form
+    of its layer type does not apply; it is re-run by torch.func on the originals.
+
+    The re-run must compute the tensor the forward computed: the parametrizations' buffers
+    (spectral_norm's power-iteration vectors) are taken as each call's forward left them
+    and the parametrizations run in eval mode (in train mode spectral_norm would iterate
+    again), outside any `parametrize.cached()` of the user's. Batch dims are those of the
+    module type's rule when that is a generic one (nn.RNN, nn.MultiheadAttention), else
+    dim 0.
+    """
+
+    recursive = True  # owns the originals, parameters of the parametrizations submodule
+
+    def __init__(self, module: nn.Module, params: dict[str, nn.Parameter]) -> None:
+        super().__init__(module, params)
+        from . import type_rule  # the registry imports this module
+
+        kind = type_rule(module)
+        self.layout = kind(module, params) if issubclass(kind, GenericRule) else None
+        self.batch_dim0 = self.layout.batch_dim0 if self.layout is not None else True
+
+    def forward_buffers(self) -> list[tuple[str, Tensor]]:
+        return list(self.module.parametrizations.named_buffers(prefix="parametrizations"))
+
+    @contextlib.contextmanager
+    def rerunning(self):
+        parametrizations = self.module.parametrizations
+        modes = [(m, m.training) for m in parametrizations.modules()]
+        parametrizations.eval()
+        # inside the user's parametrize.cached() the tensor would come from the cache, made
+        # from the real originals, not the re-run's copies (whose gradients would be 0)
+        cache_enabled, parametrize._cache_enabled = parametrize._cache_enabled, 0
+        try:
+            yield
+        finally:
+            parametrize._cache_enabled = cache_enabled
+            for m, training in modes:
+                m.training = training
+
+    def batch_size(self, call: Call) -> int:
+        return (super() if self.layout is None else self.layout).batch_size(call)
+
+    def in_dim(self, key: int | str, x: Tensor, batch: int) -> int | None:
+        return (super() if self.layout is None else self.layout).in_dim(key, x, batch)
+
+    def out_dim(self, index: int, y: Tensor, batch: int) -> int | None:
+        return (super() if self.layout is None else self.layout).out_dim(index, y, batch)

@@ -104,7 +104,7 @@ class LSTMRule(RNNRule):
         if module.batch_first is False:
             x = x.transpose(0, 1)
         hx = call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
-        params = call.extra  # copies as at forward time
+        params, _ = call.extra  # copies as at forward time
         batch = x.shape[0]
         states = module.num_layers * (2 if module.bidirectional else 1)
         zeros = x.new_zeros(states, batch, module.hidden_size)
