@@ -105,6 +105,14 @@ def computes(*names: str) -> Callable[[Compute], Compute]:
 # for more accurate curvature. Hutchinson's diagonal is very noisy with 2 probes.
 HUTCHINSON_SAMPLES = 2
 LANCZOS_ITER = 10
+PARAMETERS_CHANGED = (
+    "the model's trainable parameters changed since it was watched ({name} frozen, unfrozen, "
+    "added or replaced): the instruments cover the parameters trainable at watch(); watch "
+    "the changed model in a Scope (a run) of its own")
+SEVERAL_LOSSES = (
+    "rec.loss got two losses in this step ({first!r}, then {second!r}): the instruments take "
+    "one loss per step (its micro-batches under one name); register only the instrumented "
+    "model's loss with rec.loss, log the other with rec.kpi")
 NO_LOSS = "loss() was not called in this step; call rec.loss(loss, per_sample=losses)"
 NO_LOSS_WARNING = ("an instrumented step had no rec.loss(...): its quantities (all but Distance "
                    "and UpdateSize) are missing; call rec.loss(loss, per_sample=losses) inside "
@@ -253,6 +261,7 @@ class Instruments:
         if not self._params:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
         self._names = list(self._params)
+        self._named_trainable = names  # how `start` names the trainable parameters now
         self._engine = (PerSampleEngine(model, names=names)
                         if set(self.quantities) & needing("engine") and not self._sharded
                         else None)
@@ -333,6 +342,13 @@ class Instruments:
             if (self._max_ev_picked - 1) % self.max_ev_every:
                 due -= {"HessMaxEV"}
         alpha_end, self._pending = self._pending, None
+        changed = self._changed_parameter()
+        if changed is not None:  # captures, θ₀ and the update are of other parameters
+            self._state = state = StepState(step, due, None, started_at)
+            state.refused = PARAMETERS_CHANGED.format(name=changed)
+            if alpha_end is not None:
+                self._deferred.append(missing("Alpha", alpha_end.step, state.refused))
+            return
         self._state = state = StepState(step, due, alpha_end, started_at)
         params = self._own_params()
         with torch.no_grad():
@@ -348,7 +364,17 @@ class Instruments:
             self._engine.start()
             state.engine_on = True
 
-    def loss(self, loss: Tensor, per_sample: Tensor | None) -> None:
+    def _changed_parameter(self) -> str | None:
+        """The name of a parameter frozen, unfrozen, added or replaced since the model was
+        watched (its trainable parameters are the instruments' for the whole run), or None."""
+        now = {self._named_trainable.param(n): p for n, p in self.model.named_parameters()
+               if p.requires_grad}
+        for name in [*self._params, *now]:
+            if now.get(name) is not self._params.get(name):
+                return name
+        return None
+
+    def loss(self, loss: Tensor, per_sample: Tensor | None, name: str = "loss") -> None:
         """Take the loss after the forward, before the user's backward; run curvature.
 
         Gradient accumulation: call it once per micro-batch, after its forward and before
@@ -364,6 +390,9 @@ class Instruments:
             per_sample: the (B, ...) per-sample losses, batch first; other dims (e.g. tokens)
                 are averaged for a mean loss and summed for a sum loss. None when no chosen
                 quantity needs them.
+            name: the loss's name (rec.loss's): the calls of one step are micro-batches of
+                one loss only under one name; a second name (a GAN's D and G losses) makes
+                every quantity of the step missing with the reason.
 
         Raises:
             RuntimeError: outside start() / finish().
@@ -374,6 +403,11 @@ class Instruments:
             raise RuntimeError("loss() called outside a step; call start(step, kind) first")
         if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
             raise TypeError("loss must be a scalar floating-point tensor (the reduced loss)")
+        if state.loss_name is not None and name != state.loss_name and state.refused is None:
+            state.refused = SEVERAL_LOSSES.format(first=state.loss_name, second=name)
+        state.loss_name = name
+        if state.refused is not None:
+            return
         per_sample_needed = needing("engine") | needing("hessian")
         needs = state.due & per_sample_needed | ({"Alpha"} if state.alpha_end else set())
         state.calls += 1
@@ -424,6 +458,11 @@ class Instruments:
         try:
             if state.engine_on:
                 self._engine.stop()
+            if state.refused is not None:
+                values.extend(missing(q, state.step, state.refused) for q in sorted(state.due))
+                if state.alpha_end is not None:
+                    values.append(missing("Alpha", state.alpha_end.step, state.refused))
+                return values
             values.extend(self._compute(state))
         except Exception as error:  # recording must never break training
             reason = describe(error)

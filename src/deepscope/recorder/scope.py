@@ -160,6 +160,10 @@ class Scope:
         self._scale_check = ScaleCheck(self._warn_once)
         self._param_nodes: dict[str, tuple[str, str]] = {}
         self._module_hooks: list[Any] = []
+        # the models watched (model, names, node_depth): their parameters are looked up again
+        # at each recorded step, so a replaced module (model.head = ...) is not recorded stale
+        self._watched: list[tuple[nn.Module, ModelNames, int | None]] = []
+        self._step_hooks: dict[int, Any] = {}  # optimizer id -> its step post hook
         self._stance: Any = None  # the force_eager stance of the open step, to restore
         self._graph_cache: dict = {}
         self._infos: dict = {}  # TensorInfo by description, across steps (StepContext.infos)
@@ -328,13 +332,10 @@ class Scope:
         compiled = model
         model = unwrap(model)  # torch.compile's and DDP's wrappers
         names = ModelNames.of(model, name)  # the one source of names for everything below
-        for pname, p in model.named_parameters():
-            full = names.param(pname)
-            module_parts = names.module(pname.rpartition(".")[0]).split(".")
-            if node_depth is not None:
-                module_parts = module_parts[:node_depth]
-            self._params[full] = p
-            self._param_nodes[full] = (".".join(module_parts), full.rpartition(".")[2])
+        self._watched = [w for w in self._watched if w[0] is not model] + [
+            (model, names, node_depth)]
+        self._params.update(_params_of(model, names))
+        self._param_nodes.update(_param_nodes_of(model, names, node_depth))
         if activations:
             for mpath, module in model.named_modules():
                 self._module_hooks.append(module.register_forward_hook(
@@ -346,8 +347,16 @@ class Scope:
                                          else 1, distributed=self.reducer is not None)
         if optimizer is not None:
             self._optimizer = optimizer
+            if id(optimizer) not in self._step_hooks:  # its step ends its parameters' gradients
+                self._step_hooks[id(optimizer)] = optimizer.register_step_post_hook(
+                    self._optimizer_stepped)
             # what the diagnosis needs to read ‖Δθ‖/‖g‖ (momentum, adaptive steps)
             self.writer.submit_meta({"optimizer": optimizer_settings(optimizer)})
+        if self.instruments is not None and model is not self.instruments.model:
+            warnings.warn(f"deepscope: instruments cover the first watched model only "
+                          f"({type(self.instruments.model).__name__}), not this "
+                          f"{type(model).__name__}; use a Scope (its own run) per model to "
+                          "instrument both", DeepscopeWarning, stacklevel=2)
         if self._instrument_spec is not None and self.instruments is None:
             from ..instruments.suite import Instruments  # loads only for a Scope with instruments
             # reducer: the global batch's values (rank-identical schedule, see step())
@@ -449,6 +458,8 @@ class Scope:
                                  and lr.numel() == 1 else float(lr))
             except (KeyError, IndexError, TypeError, ValueError):
                 pass  # an optimiser without one plain learning rate: nothing to log
+        if rec.recording and self._guard(self._refresh_params) is _FAILED:
+            rec.recording = False
         if rec.recording and self._guard(rec._start) is _FAILED:
             rec.recording = False
         if rec._instrumented and self._guard(self.instruments.start, rec.step,
@@ -463,6 +474,27 @@ class Scope:
             self._stance = self._guard(torch.compiler.set_stance, "force_eager")
             if self._stance is _FAILED:  # e.g. called inside a compiled region
                 self._stance = None
+
+    def _refresh_params(self) -> None:
+        """The watched models' parameters as they are now: a module replaced since `watch`
+        (`model.head = nn.Linear(...)`) is recorded under its names, not the old one."""
+        params: dict[str, torch.Tensor] = {}
+        for model, names, _ in self._watched:
+            params.update(_params_of(model, names))
+        if params.keys() == self._params.keys() and all(
+                p is self._params[n] for n, p in params.items()):
+            return
+        self._param_nodes.clear()
+        for model, names, node_depth in self._watched:
+            self._param_nodes.update(_param_nodes_of(model, names, node_depth))
+        self._params.clear()  # (in place: the step context holds this dict)
+        self._params.update(params)
+
+    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
+                           ) -> None:
+        rec = self._current
+        if rec is not None and rec.recording:
+            self._guard(rec._stepped, optimizer)
 
     def _end(self, rec: StepRecorder, failed: bool) -> None:
         self._current = None
@@ -634,9 +666,10 @@ class Scope:
         if self.closed:
             return
         self.closed = True
-        for h in self._module_hooks:
+        for h in [*self._module_hooks, *self._step_hooks.values()]:
             h.remove()
         self._module_hooks.clear()
+        self._step_hooks.clear()
         self._send_kpis()
         findings = self._check_health(None)
         for part in (self.instruments, self.monitor):
@@ -658,6 +691,24 @@ class _Failed:
 
 
 _FAILED = _Failed()
+
+
+def _params_of(model: nn.Module, names: ModelNames) -> dict[str, torch.Tensor]:
+    """The parameters of `model` by their recorded names."""
+    return {names.param(pname): p for pname, p in model.named_parameters()}
+
+
+def _param_nodes_of(model: nn.Module, names: ModelNames, node_depth: int | None
+                    ) -> dict[str, tuple[str, str]]:
+    """(graph node, role in it) of each parameter of `model`, by recorded name."""
+    nodes = {}
+    for pname, _ in model.named_parameters():
+        full = names.param(pname)
+        module_parts = names.module(pname.rpartition(".")[0]).split(".")
+        if node_depth is not None:
+            module_parts = module_parts[:node_depth]
+        nodes[full] = (".".join(module_parts), full.rpartition(".")[2])
+    return nodes
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -67,6 +67,11 @@ def _check_name(name: Any, what: str = "name") -> str:
     return name
 
 
+EVAL_FORWARD = ("a watched module ran without gradients after the optimiser's step (a validation "
+                "forward inside the training step?): its outputs are not recorded, they would "
+                "pass for the training batch's; record validation in a step of its own, e.g. "
+                "scope.step(n, kind='val')")
+
 SHARDS_NOT_RECORDED = ("parameters sharded across ranks (DTensor shards: FSDP2, tensor parallel) "
                        "and their gradients are not recorded yet: each rank holds only its "
                        "shard; see docs/LIMITATIONS.md, 'FSDP2'")
@@ -162,6 +167,8 @@ class StepRecorder:
         self._module_calls: dict[tuple[str, int], ModuleCall] = {}
         self._attachments: dict | None = None
         self._losses: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # of rec.loss calls
+        # parameters (ids) whose optimiser has stepped: later passes are not in their update
+        self._stepped_params: set[int] = set()
         self._started = time.time()
 
     def __enter__(self) -> StepRecorder:
@@ -290,7 +297,7 @@ class StepRecorder:
             self._ctx.guard(self._ctx.monitor.loss, loss, name)
         if self._instrumented:
             # Bad input must reach the user; internal failures are handled inside Instruments.
-            self._ctx.instruments.loss(loss, per_sample)
+            self._ctx.instruments.loss(loss, per_sample, name)
         self._after_loss = True
 
     def kpi(self, name: str, value: float | torch.Tensor) -> None:
@@ -367,6 +374,9 @@ class StepRecorder:
                 self._recomputed_counts[base] = count + 1
                 self._recomputed(base if count == 0 else f"{base}#{count + 1}", t)
             return
+        if self._stepped_params and not torch.is_grad_enabled():
+            self._ctx.warn_once(EVAL_FORWARD)
+            return
         role = "output" if is_root else "activation"
         frozen = tuple(id(p) for p in module.parameters(recurse=False) if not p.requires_grad)
         if self._after_loss:  # the next micro-batch's forward (gradient accumulation)
@@ -433,6 +443,8 @@ class StepRecorder:
         """Keep the gradient of `key` (of `param`, a parameter's) that backward produced."""
         if self._attachments is None:  # (before any pass can free the saved tensors)
             self._attach_saved()
+        if param is not None and id(param) in self._stepped_params:
+            return  # after its optimiser's step (a GAN's G loss reaching D): not its update
         if not self._passes.counts():
             return  # an autograd.grad pass: its gradients never reach .grad
         scale = self._passes.scale
@@ -458,6 +470,12 @@ class StepRecorder:
         # autograd cannot hand it on as a parameter's .grad, nor add into it in place.
         self._grads[key] = grad
         self._grad_versions[key] = grad._version
+
+    def _stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer.step()` ended (Scope's step post hook): the gradients of its parameters
+        recorded so far are those it stepped with; passes after it do not change them."""
+        self._stepped_params.update(id(p) for group in optimizer.param_groups
+                                    for p in group["params"])
 
     def _record_values(self, records: list[tuple[str, str, int, torch.Tensor, int | None]]
                        ) -> None:

@@ -1,0 +1,135 @@
+"""Training loops beyond one model and one optimiser step: a GAN step (two models, two
+optimisers, two losses in one `scope.step`), a validation forward after `opt.step()`, and a
+model changed mid-run (a layer frozen, its head replaced). References: each parameter's
+`.grad` as its optimiser steps with and its value, cloned in the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.functional import binary_cross_entropy_with_logits as bce
+
+import deepscope
+from deepscope.instruments.suite import PARAMETERS_CHANGED, SEVERAL_LOSSES
+
+
+def _net(d_in: int, d_out: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(d_in, 8), nn.Tanh(), nn.Linear(8, d_out))
+
+
+def test_gan_records_each_models_gradient_as_its_optimizer_steps_with(tmp_path):
+    """D's .grad gets G's loss too (after D's step, before the next zero_grad): that part is
+    not D's update; before, it was added into D's recorded gradient. The instruments (on G,
+    the first watched model) cannot take the two losses: missing with the reason (before,
+    Loss was their mean and the gradient quantities missing with a wrong reason)."""
+    torch.manual_seed(0)
+    gen, disc = _net(3, 4), _net(4, 1)
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.1)
+    refs = []
+    with deepscope.Scope(tmp_path, "gan", schedule=deepscope.every(1),
+                         instruments="economy") as scope:
+        scope.watch(gen, name="G", optimizer=opt_g)
+        with pytest.warns(deepscope.DeepscopeWarning, match="first watched model only"):
+            scope.watch(disc, name="D", optimizer=opt_d)
+        for step in range(2):
+            z, real = torch.randn(6, 3), torch.randn(6, 4)
+            want = {}
+            with scope.step(step) as rec:
+                fake = gen(z)
+                opt_d.zero_grad()
+                d_losses = (bce(disc(real), torch.ones(6, 1), reduction="none")
+                            + bce(disc(fake.detach()), torch.zeros(6, 1), reduction="none"))
+                rec.loss(d_losses.mean(), per_sample=d_losses[:, 0], name="d_loss")
+                d_losses.mean().backward()
+                want |= {f"D.{n}": p.grad.clone() for n, p in disc.named_parameters()}
+                opt_d.step()
+                opt_g.zero_grad()
+                g_losses = bce(disc(fake), torch.ones(6, 1), reduction="none")[:, 0]
+                rec.loss(g_losses.mean(), per_sample=g_losses, name="g_loss")
+                g_losses.mean().backward()
+                want |= {f"G.{n}": p.grad.clone() for n, p in gen.named_parameters()}
+                opt_g.step()
+            refs.append(want)
+    run = deepscope.open_run(tmp_path / "gan")
+    for step, want in enumerate(refs):
+        for name, g in want.items():
+            row = run.stats_wide(name, direction="grad", step=step).iloc[0]
+            assert row["norm"] == pytest.approx(float(g.double().norm()), rel=1e-5), (step, name)
+    q = run.quantities()
+    reason = SEVERAL_LOSSES.format(first="d_loss", second="g_loss")
+    assert q["value"].isna().all() and (q["reason"] == reason).all()
+    assert {"Loss", "GradNorm", "Alpha"} <= set(q["name"])
+
+
+def test_validation_forward_after_the_step_is_not_a_training_iteration(tmp_path, caplog):
+    """model.eval() + no_grad after opt.step(): before, its outputs were recorded as the
+    step's iteration 1, passing for training activations."""
+    torch.manual_seed(0)
+    model = _net(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outs = []
+    with deepscope.Scope(tmp_path, "val", schedule=deepscope.every(1)) as scope:
+        scope.watch(model, optimizer=opt, activations=True)
+        for step in range(2):
+            with scope.step(step) as rec, caplog.at_level(logging.WARNING, "deepscope"):
+                model.train()
+                out = model(torch.randn(6, 3))
+                outs.append(out.detach().clone())
+                loss = out.pow(2).mean()
+                rec.loss(loss)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                model.eval()
+                with torch.no_grad():
+                    model(torch.randn(10, 3) * 100)
+    stats = deepscope.open_run(tmp_path / "val").stats_wide("model", direction="forward")
+    assert stats["iteration"].tolist() == [0, 0]
+    assert stats["norm"].tolist() == pytest.approx([float(o.norm()) for o in outs], rel=1e-6)
+    assert "validation forward" in caplog.text
+
+
+def test_a_model_changed_mid_run_is_recorded_as_it_is_and_instruments_say_why(tmp_path):
+    """A layer frozen at step 1 (before: the step was not recorded at all, "cannot register a
+    hook on a tensor that doesn't require gradient"), its head replaced at step 2 (before:
+    the old head's values recorded, GradNorm/UpdateSize 0 for it)."""
+    torch.manual_seed(0)
+    model = _net(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    refs = []
+    with deepscope.Scope(tmp_path, "change", schedule=deepscope.every(1),
+                         instruments="economy") as scope:
+        scope.watch(model, optimizer=opt)
+        for step in range(3):
+            if step == 1:
+                model[0].weight.requires_grad_(False)
+            if step == 2:
+                model[2] = nn.Linear(8, 2)
+                opt.add_param_group({"params": model[2].parameters()})
+            x = torch.randn(6, 3)
+            want = {n: p.detach().clone() for n, p in model.named_parameters()}
+            with scope.step(step) as rec:
+                losses = model(x).pow(2).mean(1)
+                rec.loss(losses.mean(), per_sample=losses)
+                opt.zero_grad()
+                losses.mean().backward()
+                want |= {f"grad:{n}": p.grad.clone() for n, p in model.named_parameters()
+                         if p.grad is not None}
+                opt.step()
+            refs.append(want)
+    run = deepscope.open_run(tmp_path / "change")
+    for step, want in enumerate(refs):
+        for key, v in want.items():
+            direction, _, name = key.rpartition(":")
+            row = run.stats_wide(name, direction=direction or "forward", step=step).iloc[0]
+            assert row["norm"] == pytest.approx(float(v.double().norm()), rel=1e-5), (step, key)
+    q = run.quantities()
+    later = q[q["step"] >= 1]
+    assert later["value"].isna().all()
+    assert set(later["reason"]) == {PARAMETERS_CHANGED.format(name="0.weight")}
+    assert q[(q["step"] == 0) & q["name"].isin(["GradNorm", "Loss"])]["value"].notna().all()
