@@ -133,3 +133,60 @@ def test_a_model_changed_mid_run_is_recorded_as_it_is_and_instruments_say_why(tm
     assert later["value"].isna().all()
     assert set(later["reason"]) == {PARAMETERS_CHANGED.format(name="0.weight")}
     assert q[(q["step"] == 0) & q["name"].isin(["GradNorm", "Loss"])]["value"].notna().all()
+
+
+def _lbfgs_or_twin(tmp_path, run: str, thetas: list | None):
+    """LBFGS with a closure that backpropagates 4 times per step (thetas None: collects
+    θ after each step), or its twin: one evaluation per step, then θ set to LBFGS's."""
+    torch.manual_seed(0)
+    model = _net(3, 2)
+    params = list(model.parameters())
+    opt = torch.optim.LBFGS(params, lr=0.5, max_iter=4)
+    x, y = torch.randn(6, 3), torch.randn(6, 2)
+    grads, after = [], []
+    with deepscope.Scope(tmp_path, run, schedule=deepscope.every(1),
+                         instruments="economy") as scope:
+        scope.watch(model, optimizer=opt, activations=True)
+        for step in range(2):
+            evals: list[list[torch.Tensor]] = []
+            grads.append(evals)
+
+            def closure():
+                opt.zero_grad()
+                losses = (model(x) - y).pow(2).mean(1)
+                rec.loss(losses.mean(), per_sample=losses)
+                losses.mean().backward()
+                grads[-1].append([p.grad.clone() for p in params])
+                return losses.mean()
+
+            with scope.step(step) as rec:
+                if thetas is None:
+                    opt.step(closure)
+                else:
+                    closure()
+                    with torch.no_grad():
+                        for p, t in zip(params, thetas[step]):
+                            p.copy_(t)
+            after.append([p.detach().clone() for p in params])
+    return deepscope.open_run(tmp_path / run), grads, after
+
+
+def test_lbfgs_closure_records_the_step_at_its_start(tmp_path):
+    """LBFGS evaluates its closure again at moved parameters inside step(): before, the
+    recorded gradient was the last evaluation's, the KPI loss the sum of all four, each
+    evaluation an iteration, and the instruments took them as micro-batches (Loss their
+    mean, GradNorm that of their mean). Now the step is its first evaluation, at the
+    recorded parameters: the twin that evaluates once and jumps to LBFGS's θ matches."""
+    run, grads, thetas = _lbfgs_or_twin(tmp_path, "lbfgs", None)
+    assert all(len(evals) == 4 for evals in grads)
+    twin, _, _ = _lbfgs_or_twin(tmp_path, "twin", thetas)
+    for step, evals in enumerate(grads):
+        for (name, _), g in zip(_net(3, 2).named_parameters(), evals[0]):
+            row = run.stats_wide(name, direction="grad", step=step).iloc[0]
+            assert row["norm"] == pytest.approx(float(g.double().norm()), rel=1e-5)
+    assert run.stats_wide("model", direction="forward")["iteration"].tolist() == [0, 0]
+    assert run.kpis("loss")["value"].tolist() == pytest.approx(twin.kpis("loss")["value"].tolist())
+    got, want = run.quantities(), twin.quantities()
+    assert got["name"].tolist() == want["name"].tolist()
+    assert got["value"].tolist() == pytest.approx(want["value"].tolist(), rel=1e-5, nan_ok=True)
+    assert got["value"].notna().sum() > 30

@@ -348,8 +348,9 @@ class Scope:
         if optimizer is not None:
             self._optimizer = optimizer
             if id(optimizer) not in self._step_hooks:  # its step ends its parameters' gradients
-                self._step_hooks[id(optimizer)] = optimizer.register_step_post_hook(
-                    self._optimizer_stepped)
+                self._step_hooks[id(optimizer)] = (
+                    optimizer.register_step_pre_hook(self._optimizer_stepping),
+                    optimizer.register_step_post_hook(self._optimizer_stepped))
             # what the diagnosis needs to read ‖Δθ‖/‖g‖ (momentum, adaptive steps)
             self.writer.submit_meta({"optimizer": optimizer_settings(optimizer)})
         if self.instruments is not None and model is not self.instruments.model:
@@ -489,6 +490,12 @@ class Scope:
             self._param_nodes.update(_param_nodes_of(model, names, node_depth))
         self._params.clear()  # (in place: the step context holds this dict)
         self._params.update(params)
+
+    def _optimizer_stepping(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
+                            ) -> None:
+        rec = self._current
+        if rec is not None and rec.recording:
+            rec._in_optimizer_step = True
 
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
                            ) -> None:
@@ -666,7 +673,7 @@ class Scope:
         if self.closed:
             return
         self.closed = True
-        for h in [*self._module_hooks, *self._step_hooks.values()]:
+        for h in [*self._module_hooks, *(h for pair in self._step_hooks.values() for h in pair)]:
             h.remove()
         self._module_hooks.clear()
         self._step_hooks.clear()

@@ -25,7 +25,7 @@ from .graph import (
     memory_region,
     saved_attachments,
 )
-from .passes import PassFilter, in_backward
+from .passes import PassFilter, graph_task, in_backward
 from .ranks import local_values
 from .summary import Capture, StepCaptures, SummarySettings
 
@@ -169,6 +169,10 @@ class StepRecorder:
         self._losses: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # of rec.loss calls
         # parameters (ids) whose optimiser has stepped: later passes are not in their update
         self._stepped_params: set[int] = set()
+        # Inside a watched optimiser's step (LBFGS's closure): its first backward pass is at
+        # the recorded parameters; later evaluations are at moved ones, and not recorded.
+        self._in_optimizer_step = False
+        self._step_pass: int | None = None  # the first pass inside it
         self._started = time.time()
 
     def __enter__(self) -> StepRecorder:
@@ -209,6 +213,8 @@ class StepRecorder:
             return
         if in_backward():  # a checkpoint recomputing the forward: recorded already
             self._ctx.guard(self._recomputed, name, tensor)
+            return
+        if self._reevaluating():
             return
         _check_name(name)
         if not isinstance(tensor, torch.Tensor):
@@ -273,6 +279,8 @@ class StepRecorder:
             raise TypeError("rec.loss(..., per_sample=...) needs a tensor of per-sample losses "
                             "with the batch as dim 0 (reduction='none'), e.g. "
                             "loss_fn(out, y, reduction='none')")
+        if self.recording and self._reevaluating():
+            return  # LBFGS's closure again, at moved parameters: the step's loss came first
         if self._after_loss:
             self._next_micro_batch()
         value = loss.detach()
@@ -377,6 +385,8 @@ class StepRecorder:
         if self._stepped_params and not torch.is_grad_enabled():
             self._ctx.warn_once(EVAL_FORWARD)
             return
+        if self._reevaluating():
+            return
         role = "output" if is_root else "activation"
         frozen = tuple(id(p) for p in module.parameters(recurse=False) if not p.requires_grad)
         if self._after_loss:  # the next micro-batch's forward (gradient accumulation)
@@ -447,6 +457,11 @@ class StepRecorder:
             return  # after its optimiser's step (a GAN's G loss reaching D): not its update
         if not self._passes.counts():
             return  # an autograd.grad pass: its gradients never reach .grad
+        if self._in_optimizer_step:
+            if self._step_pass is None:
+                self._step_pass = graph_task()
+            elif graph_task() != self._step_pass:
+                return  # a closure evaluated again inside the step, at moved parameters
         scale = self._passes.scale
         if scale is not None:  # a GradScaler's pass: the loss's gradient, as unscale_ gives
             # (in float32: a half-precision gradient divided by the scale would underflow)
@@ -471,9 +486,15 @@ class StepRecorder:
         self._grads[key] = grad
         self._grad_versions[key] = grad._version
 
+    def _reevaluating(self) -> bool:
+        """Whether an optimiser's closure runs again inside its step (LBFGS's line search):
+        after the step's first backward pass there, at parameters the step already moved."""
+        return self._in_optimizer_step and self._step_pass is not None
+
     def _stepped(self, optimizer: torch.optim.Optimizer) -> None:
         """`optimizer.step()` ended (Scope's step post hook): the gradients of its parameters
         recorded so far are those it stepped with; passes after it do not change them."""
+        self._in_optimizer_step = False
         self._stepped_params.update(id(p) for group in optimizer.param_groups
                                     for p in group["params"])
 
