@@ -6,8 +6,10 @@ model changed mid-run (a layer frozen, its head replaced). References: each para
 
 from __future__ import annotations
 
+import copy
 import logging
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -190,3 +192,37 @@ def test_lbfgs_closure_records_the_step_at_its_start(tmp_path):
     assert got["name"].tolist() == want["name"].tolist()
     assert got["value"].tolist() == pytest.approx(want["value"].tolist(), rel=1e-5, nan_ok=True)
     assert got["value"].notna().sum() > 30
+
+
+def test_cabs_is_missing_once_a_parameter_group_brings_another_learning_rate(tmp_path):
+    """CABS is lr · Σ(gᵢ − ḡ)² / (B·L) for one learning rate; it read the first group's for
+    every parameter, also after a group with another rate was added (a plausible wrong
+    value). Reference: the formula in float64 from a per-sample loop at step 0."""
+    torch.manual_seed(0)
+    model = _net(3, 2)
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    x, y = torch.randn(6, 3), torch.randn(6, 2)
+    with deepscope.Scope(tmp_path, "cabs", schedule=deepscope.every(1),
+                         instruments=["CABS"]) as scope:
+        scope.watch(model, optimizer=opt)
+        for step in range(2):
+            if step == 1:
+                opt.add_param_group({"params": model[2].parameters(), "lr": 0.05})
+            ref = copy.deepcopy(model).double()
+            with scope.step(step) as rec:
+                losses = (model(x) - y).pow(2).mean(1)
+                rec.loss(losses.mean(), per_sample=losses)
+                opt.zero_grad()
+                losses.mean().backward()
+                opt.step()
+            if step == 0:
+                gi = torch.stack([torch.cat([g.flatten() for g in torch.autograd.grad(
+                    (ref(x[i:i + 1].double()) - y[i:i + 1].double()).pow(2).mean(),
+                    list(ref.parameters()))]) for i in range(6)])
+                loss = (ref(x.double()) - y.double()).pow(2).mean()
+                want = 0.1 * float((gi - gi.mean(0)).pow(2).sum()) / (6 * float(loss))
+    q = deepscope.open_run(tmp_path / "cabs").quantities()
+    total = q[(q["name"] == "CABS") & (q["layer"] == "")].set_index("step")
+    assert total.loc[0, "value"] == pytest.approx(want, rel=1e-5)
+    assert pd.isna(total.loc[1, "value"])
+    assert "2 (0.05, 0.1)" in total.loc[1, "reason"]

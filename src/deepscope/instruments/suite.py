@@ -585,11 +585,14 @@ class Instruments:
     def _cabs(
         self, S: Tensor, N: Tensor, B: int, loss: Tensor
     ) -> tuple[Tensor, dict[str, Any]]:
-        """CABS rows and meta; the learning rate comes from the optimiser's first group."""
+        """CABS rows and meta, for the learning rate of the optimiser's groups (one)."""
         if self.optimizer is None:
             raise ValueError("CABS needs the learning rate: pass optimizer= to the instruments")
-        group = self.optimizer.param_groups[0]
-        lr = float(group["lr"])
+        rates = sorted({float(group["lr"]) for group in self.optimizer.param_groups})
+        if len(rates) > 1:  # (a parameter group added with its own rate, mid-run too)
+            raise ValueError(f"CABS assumes one learning rate; the optimiser's parameter groups "
+                             f"have {len(rates)} ({', '.join(f'{r:g}' for r in rates)})")
+        lr = rates[0]
         meta: dict[str, Any] = {"optimizer": type(self.optimizer).__name__, "lr": lr,
                                 **self._sgd_note("CABS")}
         return cabs(S, N, B, float(loss), lr), meta
