@@ -31,7 +31,7 @@ def test_gan_records_each_models_gradient_as_its_optimizer_steps_with(tmp_path):
     torch.manual_seed(0)
     gen, disc = _net(3, 4), _net(4, 1)
     opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
-    opt_d = torch.optim.SGD(disc.parameters(), lr=0.1)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.2)
     refs = []
     with deepscope.Scope(tmp_path, "gan", schedule=deepscope.every(1),
                          instruments="economy") as scope:
@@ -62,6 +62,9 @@ def test_gan_records_each_models_gradient_as_its_optimizer_steps_with(tmp_path):
         for name, g in want.items():
             row = run.stats_wide(name, direction="grad", step=step).iloc[0]
             assert row["norm"] == pytest.approx(float(g.double().norm()), rel=1e-5), (step, name)
+    # the first model's optimiser (before: the last watched one's, D's)
+    assert run.kpis("learning_rate")["value"].tolist() == [0.1, 0.1]
+    assert run.meta()["optimizer"]["lr"] == 0.1
     q = run.quantities()
     reason = SEVERAL_LOSSES.format(first="d_loss", second="g_loss")
     assert q["value"].isna().all() and (q["reason"] == reason).all()
@@ -99,20 +102,22 @@ def test_validation_forward_after_the_step_is_not_a_training_iteration(tmp_path,
 def test_a_model_changed_mid_run_is_recorded_as_it_is_and_instruments_say_why(tmp_path):
     """A layer frozen at step 1 (before: the step was not recorded at all, "cannot register a
     hook on a tensor that doesn't require gradient"), its head replaced at step 2 (before:
-    the old head's values recorded, GradNorm/UpdateSize 0 for it)."""
+    the old head's values recorded, GradNorm/UpdateSize 0 for it) and watched again (before:
+    every other module's output recorded twice, "0#2")."""
     torch.manual_seed(0)
     model = _net(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     refs = []
     with deepscope.Scope(tmp_path, "change", schedule=deepscope.every(1),
                          instruments="economy") as scope:
-        scope.watch(model, optimizer=opt)
+        scope.watch(model, optimizer=opt, activations=True)
         for step in range(3):
             if step == 1:
                 model[0].weight.requires_grad_(False)
             if step == 2:
                 model[2] = nn.Linear(8, 2)
                 opt.add_param_group({"params": model[2].parameters()})
+                scope.watch(model, optimizer=opt, activations=True)
             x = torch.randn(6, 3)
             want = {n: p.detach().clone() for n, p in model.named_parameters()}
             with scope.step(step) as rec:
@@ -125,6 +130,7 @@ def test_a_model_changed_mid_run_is_recorded_as_it_is_and_instruments_say_why(tm
                 opt.step()
             refs.append(want)
     run = deepscope.open_run(tmp_path / "change")
+    assert not [n for n in run.tensors()["name"] if "#" in n]
     for step, want in enumerate(refs):
         for key, v in want.items():
             direction, _, name = key.rpartition(":")
@@ -197,7 +203,8 @@ def test_lbfgs_closure_records_the_step_at_its_start(tmp_path):
 def test_cabs_is_missing_once_a_parameter_group_brings_another_learning_rate(tmp_path):
     """CABS is lr · Σ(gᵢ − ḡ)² / (B·L) for one learning rate; it read the first group's for
     every parameter, also after a group with another rate was added (a plausible wrong
-    value). Reference: the formula in float64 from a per-sample loop at step 0."""
+    value), and the first optimiser's after the model was watched with a new one. Reference:
+    the formula in float64 from a per-sample loop at step 0."""
     torch.manual_seed(0)
     model = _net(3, 2)
     opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
@@ -205,9 +212,12 @@ def test_cabs_is_missing_once_a_parameter_group_brings_another_learning_rate(tmp
     with deepscope.Scope(tmp_path, "cabs", schedule=deepscope.every(1),
                          instruments=["CABS"]) as scope:
         scope.watch(model, optimizer=opt)
-        for step in range(2):
+        for step in range(3):
             if step == 1:
                 opt.add_param_group({"params": model[2].parameters(), "lr": 0.05})
+            if step == 2:
+                opt = torch.optim.SGD(model.parameters(), lr=0.5)
+                scope.watch(model, optimizer=opt)
             ref = copy.deepcopy(model).double()
             with scope.step(step) as rec:
                 losses = (model(x) - y).pow(2).mean(1)
@@ -226,3 +236,4 @@ def test_cabs_is_missing_once_a_parameter_group_brings_another_learning_rate(tmp
     assert total.loc[0, "value"] == pytest.approx(want, rel=1e-5)
     assert pd.isna(total.loc[1, "value"])
     assert "2 (0.05, 0.1)" in total.loc[1, "reason"]
+    assert total.loc[2, "meta"]["lr"] == 0.5

@@ -159,7 +159,7 @@ class Scope:
         self._scaler: Any = None  # a GradScaler given to watch()
         self._scale_check = ScaleCheck(self._warn_once)
         self._param_nodes: dict[str, tuple[str, str]] = {}
-        self._module_hooks: list[Any] = []
+        self._module_hooks: dict[int, list[Any]] = {}  # id(model) -> its activation hooks
         # the models watched (model, names, node_depth): their parameters are looked up again
         # at each recorded step, so a replaced module (model.head = ...) is not recorded stale
         self._watched: list[tuple[nn.Module, ModelNames, int | None]] = []
@@ -332,27 +332,34 @@ class Scope:
         compiled = model
         model = unwrap(model)  # torch.compile's and DDP's wrappers
         names = ModelNames.of(model, name)  # the one source of names for everything below
-        self._watched = [w for w in self._watched if w[0] is not model] + [
-            (model, names, node_depth)]
+        watched = next((i for i, w in enumerate(self._watched) if w[0] is model),
+                       len(self._watched))
+        self._watched[watched:watched + 1] = [(model, names, node_depth)]
         self._params.update(_params_of(model, names))
         self._param_nodes.update(_param_nodes_of(model, names, node_depth))
+        for h in self._module_hooks.pop(id(model), []):  # watched again: hooked once
+            h.remove()
         if activations:
-            for mpath, module in model.named_modules():
-                self._module_hooks.append(module.register_forward_hook(
-                    self._activation_hook(names.module(mpath), not mpath)))
+            self._module_hooks[id(model)] = [
+                module.register_forward_hook(self._activation_hook(names.module(mpath),
+                                                                   not mpath))
+                for mpath, module in model.named_modules()]
         if self._anomalies and self.monitor is None:
             self.monitor = HealthMonitor(model, names=names, record_next=self._record_next,
                                          trace=self._anomalies == "trace",
                                          grad_every=CHECK_GRADS_EVERY if self.reducer is None
                                          else 1, distributed=self.reducer is not None)
-        if optimizer is not None:
+        if optimizer is not None and watched == 0:  # the first model's (its instruments')
             self._optimizer = optimizer
+            # what the diagnosis needs to read ‖Δθ‖/‖g‖ (momentum, adaptive steps)
+            self.writer.submit_meta({"optimizer": optimizer_settings(optimizer)})
+            if self.instruments is not None:  # a new optimiser for it (CABS reads its rate)
+                self.instruments.optimizer = optimizer
+        if optimizer is not None:
             if id(optimizer) not in self._step_hooks:  # its step ends its parameters' gradients
                 self._step_hooks[id(optimizer)] = (
                     optimizer.register_step_pre_hook(self._optimizer_stepping),
                     optimizer.register_step_post_hook(self._optimizer_stepped))
-            # what the diagnosis needs to read ‖Δθ‖/‖g‖ (momentum, adaptive steps)
-            self.writer.submit_meta({"optimizer": optimizer_settings(optimizer)})
         if self.instruments is not None and model is not self.instruments.model:
             warnings.warn(f"deepscope: instruments cover the first watched model only "
                           f"({type(self.instruments.model).__name__}), not this "
@@ -673,8 +680,9 @@ class Scope:
         if self.closed:
             return
         self.closed = True
-        for h in [*self._module_hooks, *(h for pair in self._step_hooks.values() for h in pair)]:
-            h.remove()
+        for hooks in [*self._module_hooks.values(), *self._step_hooks.values()]:
+            for h in hooks:
+                h.remove()
         self._module_hooks.clear()
         self._step_hooks.clear()
         self._send_kpis()
