@@ -237,3 +237,45 @@ def test_cabs_is_missing_once_a_parameter_group_brings_another_learning_rate(tmp
     assert pd.isna(total.loc[1, "value"])
     assert "2 (0.05, 0.1)" in total.loc[1, "reason"]
     assert total.loc[2, "meta"]["lr"] == 0.5
+
+
+def test_a_step_the_grad_scaler_skips_has_no_update_and_no_unexplained_nan(tmp_path):
+    """The loss is inf at step 1: the GradScaler skips the optimiser's step. UpdateSize is 0,
+    Distance stays, α is −1 (τ = 0, QUANTITIES.md), the parameters recorded at step 2 are
+    step 1's; the gradient quantities are NaN with the reason (before: NaN, no reason)."""
+    torch.manual_seed(0)
+    model = _net(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    thetas, heads = [], []
+    with deepscope.Scope(tmp_path, "skip", schedule=deepscope.every(1),
+                         instruments="economy") as scope:
+        scope.watch(model, optimizer=opt, scaler=scaler)
+        for step in range(3):
+            thetas.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+            heads.append(model[2].weight.detach().clone())
+            with scope.step(step) as rec:
+                losses = model(torch.randn(6, 3)).pow(2).mean(1) * (
+                    float("inf") if step == 1 else 1.0)
+                rec.loss(losses.mean(), per_sample=losses)
+                opt.zero_grad()
+                scaler.scale(losses.mean()).backward()
+                scaler.step(opt)
+                scaler.update()
+        thetas.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    run = deepscope.open_run(tmp_path / "skip")
+    q = run.quantities()
+    total = q[q["layer"] == ""].set_index(["name", "step"])
+    for step in range(3):
+        assert total.loc[("UpdateSize", step), "value"] == pytest.approx(
+            float((thetas[step + 1] - thetas[step]).norm()), rel=1e-5, abs=1e-12)
+        assert total.loc[("Distance", step), "value"] == pytest.approx(
+            float((thetas[step] - thetas[0]).norm()), rel=1e-5, abs=1e-12)
+    assert total.loc[("Alpha", 1), "value"] == -1.0
+    assert torch.equal(thetas[1], thetas[2])
+    for step in range(3):
+        assert run.stats_wide("2.weight", direction="forward", step=step)["norm"].iloc[0] == (
+            pytest.approx(float(heads[step].double().norm()), rel=1e-6))
+    nan = q[(q["step"] == 1) & q["value"].isna() & ~q["name"].str.startswith("GradHist")]
+    assert {"GradNorm", "NormTest", "InnerTest", "OrthoTest"} <= set(nan["name"])
+    assert nan["reason"].str.startswith("the loss is not finite at this step (inf)").all()

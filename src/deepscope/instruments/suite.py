@@ -27,6 +27,7 @@ batch (sharded.py an FSDP2 model's shards).
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -113,6 +114,7 @@ SEVERAL_LOSSES = (
     "rec.loss got two losses in this step ({first!r}, then {second!r}): the instruments take "
     "one loss per step (its micro-batches under one name); register only the instrumented "
     "model's loss with rec.loss, log the other with rec.kpi")
+NONFINITE_LOSS = "the loss is not finite at this step ({loss:g}): its gradients are not either"
 NO_LOSS = "loss() was not called in this step; call rec.loss(loss, per_sample=losses)"
 NO_LOSS_WARNING = ("an instrumented step had no rec.loss(...): its quantities (all but Distance "
                    "and UpdateSize) are missing; call rec.loss(loss, per_sample=losses) inside "
@@ -463,7 +465,7 @@ class Instruments:
                 if state.alpha_end is not None:
                     values.append(missing("Alpha", state.alpha_end.step, state.refused))
                 return values
-            values.extend(self._compute(state))
+            values.extend(_explain_nonfinite(self._compute(state), state))
         except Exception as error:  # recording must never break training
             reason = describe(error)
             values.extend(QuantityValue(q, state.step, meta={"reason": reason})
@@ -609,6 +611,19 @@ class Instruments:
                 "does not hold as stated")
         self._warn(note, frozenset({name}))  # once: a Python warning, stored in the run
         return {"note": note}
+
+
+def _explain_nonfinite(values: list[QuantityValue], state: StepState) -> list[QuantityValue]:
+    """`values` of the step, each NaN without a reason given the reason when the step's loss
+    is not finite (a step a GradScaler skips): never an unexplained NaN."""
+    loss = None if state.loss is None else float(state.loss)
+    if loss is None or math.isfinite(loss):
+        return values
+    for v in values:
+        if (v.step == state.step and v.value is not None and math.isnan(v.value)
+                and "reason" not in v.meta):
+            v.meta = {**v.meta, "reason": NONFINITE_LOSS.format(loss=loss)}
+    return values
 
 
 @computes("Loss")
