@@ -279,3 +279,29 @@ def test_a_step_the_grad_scaler_skips_has_no_update_and_no_unexplained_nan(tmp_p
     nan = q[(q["step"] == 1) & q["value"].isna() & ~q["name"].str.startswith("GradHist")]
     assert {"GradNorm", "NormTest", "InnerTest", "OrthoTest"} <= set(nan["name"])
     assert nan["reason"].str.startswith("the loss is not finite at this step (inf)").all()
+
+
+def test_an_optimizer_step_before_the_backward_ends_no_gradient(tmp_path):
+    """A loop that steps with the last step's gradients first: this step's backward, after
+    the optimiser's step, is still the recorded gradient."""
+    torch.manual_seed(0)
+    model = _net(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    refs = []
+    with deepscope.Scope(tmp_path, "late", schedule=deepscope.every(1)) as scope:
+        scope.watch(model, optimizer=opt, activations=True)
+        for step in range(2):
+            with scope.step(step) as rec:
+                if step:
+                    opt.step()
+                opt.zero_grad()
+                loss = model(torch.randn(6, 3)).pow(2).mean()
+                rec.loss(loss)
+                loss.backward()
+                refs.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    run = deepscope.open_run(tmp_path / "late")
+    assert run.stats_wide("model", direction="forward")["iteration"].tolist() == [0, 0]
+    for step, want in enumerate(refs):
+        for name, g in want.items():
+            row = run.stats_wide(name, direction="grad", step=step).iloc[0]
+            assert row["norm"] == pytest.approx(float(g.double().norm()), rel=1e-5)

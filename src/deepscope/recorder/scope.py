@@ -502,7 +502,7 @@ class Scope:
                             ) -> None:
         rec = self._current
         if rec is not None and rec.recording:
-            rec._in_optimizer_step = True
+            rec._in_optimizer_step, rec._step_pass = True, None
 
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
                            ) -> None:

@@ -495,8 +495,11 @@ class StepRecorder:
         """`optimizer.step()` ended (Scope's step post hook): the gradients of its parameters
         recorded so far are those it stepped with; passes after it do not change them."""
         self._in_optimizer_step = False
-        self._stepped_params.update(id(p) for group in optimizer.param_groups
-                                    for p in group["params"])
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        # (a step before this step's backward, of the last step's gradients, ends nothing)
+        received = {name for name, _ in self._grads}
+        self._stepped_params.update(id(p) for name, p in self._ctx.params.items()
+                                    if name in received and id(p) in stepped)
 
     def _record_values(self, records: list[tuple[str, str, int, torch.Tensor, int | None]]
                        ) -> None:
