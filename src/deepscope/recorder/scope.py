@@ -306,8 +306,11 @@ class Scope:
         without a name the root module is "model"). activations: also record every module's
         output by forward hooks (names from module paths; the model's own output has role
         "output"). optimizer: its learning rate (of the first parameter group, as at the start
-        of each step) is logged as the KPI "learning_rate" unless the step logs one itself;
-        instruments read it too (CABS). node_depth:
+        of each step) is logged as the KPI "learning_rate" unless the step logs one itself
+        (the first watched model's optimiser); instruments read it too (CABS). Its `step()`
+        ends its parameters' recorded gradients (a GAN's G loss reaching D after D's step is
+        not D's), a closure it evaluates again inside `step()` (LBFGS) is not recorded, and
+        a forward with gradients off after it (validation) is not recorded. node_depth:
         group parameters into graph nodes by the first `node_depth` parts of their module
         path (default: the full module path). scaler: the `torch.amp.GradScaler` whose
         `scale(loss).backward()` the steps run: recorded gradients are divided by the scale

@@ -266,7 +266,10 @@ class StepRecorder:
         the loss stays with the micro-batch it follows.
 
         The loss is also logged as the KPI `name` on every step: with several rec.loss calls
-        of one name, their sum (the loss whose gradient the optimiser step uses).
+        of one name, their sum (the loss whose gradient the optimiser step uses). Losses of
+        two names in one step (a GAN's D and G losses) are not micro-batches of one batch:
+        the instruments' values of that step are missing with the reason; register only the
+        instrumented (first watched) model's loss, and `rec.kpi` the other.
         """
         self._check_open("loss")
         _check_name(name, "loss name")
