@@ -504,14 +504,16 @@ class Scope:
     def _optimizer_stepping(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
                             ) -> None:
         rec = self._current
-        if rec is not None and rec.recording:
-            rec._in_optimizer_step, rec._step_pass = True, None
+        if rec is not None:  # (on every step: rec.loss counts the closure's evaluations)
+            rec._in_optimizer_step, rec._step_losses, rec._step_pass = True, 0, None
 
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
                            ) -> None:
         rec = self._current
-        if rec is not None and rec.recording:
-            self._guard(rec._stepped, optimizer)
+        if rec is not None:
+            rec._in_optimizer_step = False
+            if rec.recording:
+                self._guard(rec._stepped, optimizer)
 
     def _end(self, rec: StepRecorder, failed: bool) -> None:
         self._current = None

@@ -147,6 +147,13 @@ class StepRecorder:
         self._kpis: list[tuple[str, Any]] = []
         self.loss_value: torch.Tensor | None = None
         self._hooks: list[Any] = []
+        # Inside a watched optimiser's step (LBFGS's closure): its first evaluation is at the
+        # step's parameters; later ones are at moved parameters, and not recorded: neither
+        # their rec.loss (counted here, on every step) nor, on a recorded step, what follows
+        # the first backward pass inside it.
+        self._in_optimizer_step = False
+        self._step_losses = 0  # rec.loss calls inside it
+        self._step_pass: int | None = None  # the first pass inside it
         if not self.recording:
             return
         self._named: list[Named] = []
@@ -169,10 +176,6 @@ class StepRecorder:
         self._losses: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # of rec.loss calls
         # parameters (ids) whose optimiser has stepped: later passes are not in their update
         self._stepped_params: set[int] = set()
-        # Inside a watched optimiser's step (LBFGS's closure): its first backward pass is at
-        # the recorded parameters; later evaluations are at moved ones, and not recorded.
-        self._in_optimizer_step = False
-        self._step_pass: int | None = None  # the first pass inside it
         self._started = time.time()
 
     def __enter__(self) -> StepRecorder:
@@ -282,8 +285,10 @@ class StepRecorder:
             raise TypeError("rec.loss(..., per_sample=...) needs a tensor of per-sample losses "
                             "with the batch as dim 0 (reduction='none'), e.g. "
                             "loss_fn(out, y, reduction='none')")
-        if self.recording and self._reevaluating():
-            return  # LBFGS's closure again, at moved parameters: the step's loss came first
+        if self._in_optimizer_step:
+            self._step_losses += 1
+            if self._step_losses > 1 or self._reevaluating():
+                return  # LBFGS's closure again, at moved parameters: the step's loss came first
         if self._after_loss:
             self._next_micro_batch()
         value = loss.detach()
@@ -497,7 +502,6 @@ class StepRecorder:
     def _stepped(self, optimizer: torch.optim.Optimizer) -> None:
         """`optimizer.step()` ended (Scope's step post hook): the gradients of its parameters
         recorded so far are those it stepped with; passes after it do not change them."""
-        self._in_optimizer_step = False
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         # (a step before this step's backward, of the last step's gradients, ends nothing)
         received = {name for name, _ in self._grads}
