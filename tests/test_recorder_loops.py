@@ -45,8 +45,8 @@ def test_gan_records_each_models_gradient_as_its_optimizer_steps_with(tmp_path):
                 fake = gen(z)
                 opt_d.zero_grad()
                 d_losses = (bce(disc(real), torch.ones(6, 1), reduction="none")
-                            + bce(disc(fake.detach()), torch.zeros(6, 1), reduction="none"))
-                rec.loss(d_losses.mean(), per_sample=d_losses[:, 0], name="d_loss")
+                            + bce(disc(fake.detach()), torch.zeros(6, 1), reduction="none"))[:, 0]
+                rec.loss(d_losses.mean(), per_sample=d_losses, name="d_loss")
                 d_losses.mean().backward()
                 want |= {f"D.{n}": p.grad.clone() for n, p in disc.named_parameters()}
                 opt_d.step()
@@ -306,3 +306,48 @@ def test_an_optimizer_step_before_the_backward_ends_no_gradient(tmp_path):
         for name, g in want.items():
             row = run.stats_wide(name, direction="grad", step=step).iloc[0]
             assert row["norm"] == pytest.approx(float(g.double().norm()), rel=1e-5)
+
+
+def test_gan_discriminator_instrumented_with_its_loss_alone_is_right(tmp_path):
+    """The workaround for a GAN: D watched first (instrumented), only D's loss given to
+    rec.loss. G's loss reaches D's parameters after D's step and must not count. Reference:
+    D's per-sample gradients by a float64 loop, GradNorm = ‖ḡ‖ and NormTest."""
+    torch.manual_seed(0)
+    gen, disc = _net(3, 4), _net(4, 1)
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.1)
+    refs = []
+    with deepscope.Scope(tmp_path, "gan_d", schedule=deepscope.every(1),
+                         instruments=["GradNorm", "NormTest"]) as scope:
+        scope.watch(disc, name="D", optimizer=opt_d)
+        with pytest.warns(deepscope.DeepscopeWarning, match="first watched model only"):
+            scope.watch(gen, name="G", optimizer=opt_g)
+        for step in range(2):
+            z, real = torch.randn(6, 3), torch.randn(6, 4)
+            ref = copy.deepcopy(disc).double()
+            with scope.step(step) as rec:
+                fake = gen(z)
+                opt_d.zero_grad()
+                d_losses = (bce(disc(real), torch.ones(6, 1), reduction="none")
+                            + bce(disc(fake.detach()), torch.zeros(6, 1), reduction="none"))[:, 0]
+                rec.loss(d_losses.mean(), per_sample=d_losses, name="d_loss")
+                d_losses.mean().backward()
+                opt_d.step()
+                opt_g.zero_grad()
+                g_loss = bce(disc(fake), torch.ones(6, 1))
+                rec.kpi("g_loss", g_loss)
+                g_loss.backward()
+                opt_g.step()
+            gi = torch.stack([torch.cat([g.flatten() for g in torch.autograd.grad(
+                bce(ref(real[i:i + 1].double()), torch.ones(1, 1, dtype=torch.float64))
+                + bce(ref(fake[i:i + 1].detach().double()), torch.zeros(1, 1,
+                                                                       dtype=torch.float64)),
+                list(ref.parameters()))]) for i in range(6)])
+            mean = gi.mean(0)
+            refs.append((float(mean.norm()), float(((gi - mean).pow(2).sum() / (
+                6 * 5 * mean.pow(2).sum())).sqrt())))
+    q = deepscope.open_run(tmp_path / "gan_d").quantities()
+    total = q[q["layer"] == ""].set_index(["name", "step"])["value"]
+    for step, (grad_norm, norm_test) in enumerate(refs):
+        assert total[("GradNorm", step)] == pytest.approx(grad_norm, rel=1e-5)
+        assert total[("NormTest", step)] == pytest.approx(norm_test, rel=1e-5)
