@@ -163,6 +163,7 @@ class Scope:
         # the models watched (model, names, node_depth): their parameters are looked up again
         # at each recorded step, so a replaced module (model.head = ...) is not recorded stale
         self._watched: list[tuple[nn.Module, ModelNames, int | None]] = []
+        self._watched_params: list[torch.Tensor] = []  # theirs at the last look
         self._step_hooks: dict[int, Any] = {}  # optimizer id -> its step post hook
         self._stance: Any = None  # the force_eager stance of the open step, to restore
         self._graph_cache: dict = {}
@@ -489,12 +490,14 @@ class Scope:
     def _refresh_params(self) -> None:
         """The watched models' parameters as they are now: a module replaced since `watch`
         (`model.head = nn.Linear(...)`) is recorded under its names, not the old one."""
+        now = [p for model, _, _ in self._watched for p in model.parameters()]
+        if len(now) == len(self._watched_params) and all(
+                p is q for p, q in zip(now, self._watched_params)):
+            return  # (the usual case, ~1 µs per parameter: no names made)
+        self._watched_params = now
         params: dict[str, torch.Tensor] = {}
         for model, names, _ in self._watched:
             params.update(_params_of(model, names))
-        if params.keys() == self._params.keys() and all(
-                p is self._params[n] for n, p in params.items()):
-            return
         self._param_nodes.clear()
         for model, names, node_depth in self._watched:
             self._param_nodes.update(_param_nodes_of(model, names, node_depth))
