@@ -23,15 +23,46 @@ def _net(d_in: int, d_out: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(d_in, 8), nn.Tanh(), nn.Linear(8, d_out))
 
 
+def _seeded_sgd() -> tuple[nn.Sequential, torch.optim.SGD]:
+    """The same small net each time, and plain SGD over it."""
+    torch.manual_seed(0)
+    model = _net(3, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _gan(d_lr: float) -> tuple[nn.Module, nn.Module, torch.optim.SGD, torch.optim.SGD]:
+    """G (3 → 4) and D (4 → 1) with their SGD optimisers (G's rate 0.1)."""
+    torch.manual_seed(0)
+    gen, disc = _net(3, 4), _net(4, 1)
+    return (gen, disc, torch.optim.SGD(gen.parameters(), lr=0.1),
+            torch.optim.SGD(disc.parameters(), lr=d_lr))
+
+
+def _d_losses(disc: nn.Module, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+    """D's (B,) per-sample losses: real → 1, fake (detached: D's step only) → 0."""
+    on_real, on_fake = disc(real), disc(fake.detach())
+    return (bce(on_real, torch.ones_like(on_real), reduction="none")
+            + bce(on_fake, torch.zeros_like(on_fake), reduction="none"))[:, 0]
+
+
+def _d_step(rec, disc: nn.Module, opt_d: torch.optim.Optimizer, real: torch.Tensor,
+            fake: torch.Tensor) -> dict[str, torch.Tensor]:
+    """D's step, its loss given to rec.loss as "d_loss"; returns the .grad it stepped with."""
+    opt_d.zero_grad()
+    d_losses = _d_losses(disc, real, fake)
+    rec.loss(d_losses.mean(), per_sample=d_losses, name="d_loss")
+    d_losses.mean().backward()
+    grads = {f"D.{n}": p.grad.clone() for n, p in disc.named_parameters()}
+    opt_d.step()
+    return grads
+
+
 def test_gan_records_each_models_gradient_as_its_optimizer_steps_with(tmp_path):
     """D's .grad gets G's loss too (after D's step, before the next zero_grad): that part is
     not D's update; before, it was added into D's recorded gradient. The instruments (on G,
     the first watched model) cannot take the two losses: missing with the reason (before,
     Loss was their mean and the gradient quantities missing with a wrong reason)."""
-    torch.manual_seed(0)
-    gen, disc = _net(3, 4), _net(4, 1)
-    opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
-    opt_d = torch.optim.SGD(disc.parameters(), lr=0.2)
+    gen, disc, opt_g, opt_d = _gan(d_lr=0.2)
     refs = []
     with deepscope.Scope(tmp_path, "gan", schedule=deepscope.every(1),
                          instruments="economy") as scope:
@@ -43,13 +74,7 @@ def test_gan_records_each_models_gradient_as_its_optimizer_steps_with(tmp_path):
             want = {}
             with scope.step(step) as rec:
                 fake = gen(z)
-                opt_d.zero_grad()
-                d_losses = (bce(disc(real), torch.ones(6, 1), reduction="none")
-                            + bce(disc(fake.detach()), torch.zeros(6, 1), reduction="none"))[:, 0]
-                rec.loss(d_losses.mean(), per_sample=d_losses, name="d_loss")
-                d_losses.mean().backward()
-                want |= {f"D.{n}": p.grad.clone() for n, p in disc.named_parameters()}
-                opt_d.step()
+                want |= _d_step(rec, disc, opt_d, real, fake)
                 opt_g.zero_grad()
                 g_losses = bce(disc(fake), torch.ones(6, 1), reduction="none")[:, 0]
                 rec.loss(g_losses.mean(), per_sample=g_losses, name="g_loss")
@@ -74,9 +99,7 @@ def test_gan_records_each_models_gradient_as_its_optimizer_steps_with(tmp_path):
 def test_validation_forward_after_the_step_is_not_a_training_iteration(tmp_path, caplog):
     """model.eval() + no_grad after opt.step(): before, its outputs were recorded as the
     step's iteration 1, passing for training activations."""
-    torch.manual_seed(0)
-    model = _net(3, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = _seeded_sgd()
     outs = []
     with deepscope.Scope(tmp_path, "val", schedule=deepscope.every(1)) as scope:
         scope.watch(model, optimizer=opt, activations=True)
@@ -104,9 +127,7 @@ def test_a_model_changed_mid_run_is_recorded_as_it_is_and_instruments_say_why(tm
     hook on a tensor that doesn't require gradient"), its head replaced at step 2 (before:
     the old head's values recorded, GradNorm/UpdateSize 0 for it) and watched again (before:
     every other module's output recorded twice, "0#2")."""
-    torch.manual_seed(0)
-    model = _net(3, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = _seeded_sgd()
     refs = []
     with deepscope.Scope(tmp_path, "change", schedule=deepscope.every(1),
                          instruments="economy") as scope:
@@ -285,9 +306,7 @@ def test_a_step_the_grad_scaler_skips_has_no_update_and_no_unexplained_nan(tmp_p
 def test_an_optimizer_step_before_the_backward_ends_no_gradient(tmp_path):
     """A loop that steps with the last step's gradients first: this step's backward, after
     the optimiser's step, is still the recorded gradient."""
-    torch.manual_seed(0)
-    model = _net(3, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = _seeded_sgd()
     refs = []
     with deepscope.Scope(tmp_path, "late", schedule=deepscope.every(1)) as scope:
         scope.watch(model, optimizer=opt, activations=True)
@@ -312,10 +331,7 @@ def test_gan_discriminator_instrumented_with_its_loss_alone_is_right(tmp_path):
     """The workaround for a GAN: D watched first (instrumented), only D's loss given to
     rec.loss. G's loss reaches D's parameters after D's step and must not count. Reference:
     D's per-sample gradients by a float64 loop, GradNorm = ‖ḡ‖ and NormTest."""
-    torch.manual_seed(0)
-    gen, disc = _net(3, 4), _net(4, 1)
-    opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
-    opt_d = torch.optim.SGD(disc.parameters(), lr=0.1)
+    gen, disc, opt_g, opt_d = _gan(d_lr=0.1)
     refs = []
     with deepscope.Scope(tmp_path, "gan_d", schedule=deepscope.every(1),
                          instruments=["GradNorm", "NormTest"]) as scope:
@@ -327,21 +343,14 @@ def test_gan_discriminator_instrumented_with_its_loss_alone_is_right(tmp_path):
             ref = copy.deepcopy(disc).double()
             with scope.step(step) as rec:
                 fake = gen(z)
-                opt_d.zero_grad()
-                d_losses = (bce(disc(real), torch.ones(6, 1), reduction="none")
-                            + bce(disc(fake.detach()), torch.zeros(6, 1), reduction="none"))[:, 0]
-                rec.loss(d_losses.mean(), per_sample=d_losses, name="d_loss")
-                d_losses.mean().backward()
-                opt_d.step()
+                _d_step(rec, disc, opt_d, real, fake)
                 opt_g.zero_grad()
                 g_loss = bce(disc(fake), torch.ones(6, 1))
                 rec.kpi("g_loss", g_loss)
                 g_loss.backward()
                 opt_g.step()
             gi = torch.stack([torch.cat([g.flatten() for g in torch.autograd.grad(
-                bce(ref(real[i:i + 1].double()), torch.ones(1, 1, dtype=torch.float64))
-                + bce(ref(fake[i:i + 1].detach().double()), torch.zeros(1, 1,
-                                                                       dtype=torch.float64)),
+                _d_losses(ref, real[i:i + 1].double(), fake[i:i + 1].double()).sum(),
                 list(ref.parameters()))]) for i in range(6)])
             mean = gi.mean(0)
             refs.append((float(mean.norm()), float(((gi - mean).pow(2).sum() / (
