@@ -23,7 +23,12 @@ _current_task = getattr(torch._C, "_current_graph_task_id", None)
 def in_backward() -> bool:
     """Whether a backward pass is running: a forward now is a checkpoint's recomputation
     (torch.utils.checkpoint runs the block's forward again inside backward)."""
-    return _current_task is not None and _current_task() != -1
+    return graph_task() != -1
+
+
+def graph_task() -> int:
+    """The id of the backward pass now running (-1 outside one, and without the query)."""
+    return -1 if _current_task is None else _current_task()
 
 
 def accumulates(params: Iterable[torch.Tensor]) -> bool:

@@ -47,6 +47,8 @@ class StepState:
     # `grad_state`): one that gets a gradient anyway was hidden from the curvature
     unreached: list[tuple[Tensor, Any]] = field(default_factory=list)
     hist_results: dict[str, tuple[dict[str, Histogram], dict]] | None = None
+    loss_name: str | None = None  # the name of the step's rec.loss calls
+    refused: str | None = None  # why none of this step's quantities can be computed
 
     def take_loss(self, loss: Tensor) -> None:
         """Take a loss given without per-sample losses (only Loss is then computed)."""

@@ -27,6 +27,7 @@ batch (sharded.py an FSDP2 model's shards).
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -106,6 +107,15 @@ def computes(*names: str) -> Callable[[Compute], Compute]:
 # for more accurate curvature. Hutchinson's diagonal is very noisy with 2 probes.
 HUTCHINSON_SAMPLES = 2
 LANCZOS_ITER = 10
+PARAMETERS_CHANGED = (
+    "the model's trainable parameters changed since it was watched ({name} frozen, unfrozen, "
+    "added or replaced): the instruments cover the parameters trainable at watch(); watch "
+    "the changed model in a Scope (a run) of its own")
+SEVERAL_LOSSES = (
+    "rec.loss got two losses in this step ({first!r}, then {second!r}): the instruments take "
+    "one loss per step (its micro-batches under one name); register only the instrumented "
+    "model's loss with rec.loss, log the other with rec.kpi")
+NONFINITE_LOSS = "the loss is not finite at this step ({loss:g}): its gradients are not either"
 NO_LOSS = "loss() was not called in this step; call rec.loss(loss, per_sample=losses)"
 FORWARD_EDIT = ("the forward changed parameter '{name}' in place (e.g. nn.Embedding(max_norm=...) "
                 "renormalising the rows it reads)")
@@ -256,6 +266,7 @@ class Instruments:
         if not self._params:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
         self._names = list(self._params)
+        self._named_trainable = names  # how `start` names the trainable parameters now
         self._engine = (PerSampleEngine(model, names=names)
                         if set(self.quantities) & needing("engine") and not self._sharded
                         else None)
@@ -336,6 +347,13 @@ class Instruments:
             if (self._max_ev_picked - 1) % self.max_ev_every:
                 due -= {"HessMaxEV"}
         alpha_end, self._pending = self._pending, None
+        changed = self._changed_parameter()
+        if changed is not None:  # captures, θ₀ and the update are of other parameters
+            self._state = state = StepState(step, due, None, started_at)
+            state.refused = PARAMETERS_CHANGED.format(name=changed)
+            if alpha_end is not None:
+                self._deferred.append(missing("Alpha", alpha_end.step, state.refused))
+            return
         self._state = state = StepState(step, due, alpha_end, started_at)
         params = self._own_params()
         with torch.no_grad():
@@ -363,7 +381,17 @@ class Instruments:
             self._warn(IGNORED_SAMPLES.format(k=k, n=n, rows=per_sample.shape[0]),
                        frozenset(self.quantities) & needing("engine"))
 
-    def loss(self, loss: Tensor, per_sample: Tensor | None) -> None:
+    def _changed_parameter(self) -> str | None:
+        """The name of a parameter frozen, unfrozen, added or replaced since the model was
+        watched (its trainable parameters are the instruments' for the whole run), or None."""
+        now = {self._named_trainable.param(n): p for n, p in self.model.named_parameters()
+               if p.requires_grad}
+        for name in [*self._params, *now]:
+            if now.get(name) is not self._params.get(name):
+                return name
+        return None
+
+    def loss(self, loss: Tensor, per_sample: Tensor | None, name: str = "loss") -> None:
         """Take the loss after the forward, before the user's backward; run curvature.
 
         Gradient accumulation: call it once per micro-batch, after its forward and before
@@ -379,6 +407,9 @@ class Instruments:
             per_sample: the (B, ...) per-sample losses, batch first; other dims (e.g. tokens)
                 are averaged for a mean loss and summed for a sum loss. None when no chosen
                 quantity needs them.
+            name: the loss's name (rec.loss's): the calls of one step are micro-batches of
+                one loss only under one name; a second name (a GAN's D and G losses) makes
+                every quantity of the step missing with the reason.
 
         Raises:
             RuntimeError: outside start() / finish().
@@ -389,6 +420,11 @@ class Instruments:
             raise RuntimeError("loss() called outside a step; call start(step, kind) first")
         if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
             raise TypeError("loss must be a scalar floating-point tensor (the reduced loss)")
+        if state.loss_name is not None and name != state.loss_name and state.refused is None:
+            state.refused = SEVERAL_LOSSES.format(first=state.loss_name, second=name)
+        state.loss_name = name
+        if state.refused is not None:
+            return
         self._forward_edits(state)
         per_sample_needed = needing("engine") | needing("hessian")
         needs = state.due & per_sample_needed | ({"Alpha"} if state.alpha_end else set())
@@ -479,7 +515,12 @@ class Instruments:
         try:
             if state.engine_on:
                 self._engine.stop()
-            values.extend(self._compute(state))
+            if state.refused is not None:
+                values.extend(missing(q, state.step, state.refused) for q in sorted(state.due))
+                if state.alpha_end is not None:
+                    values.append(missing("Alpha", state.alpha_end.step, state.refused))
+                return values
+            values.extend(_explain_nonfinite(self._compute(state), state))
         except Exception as error:  # recording must never break training
             reason = describe(error)
             values.extend(QuantityValue(q, state.step, meta={"reason": reason})
@@ -601,11 +642,14 @@ class Instruments:
     def _cabs(
         self, S: Tensor, N: Tensor, B: int, loss: Tensor
     ) -> tuple[Tensor, dict[str, Any]]:
-        """CABS rows and meta; the learning rate comes from the optimiser's first group."""
+        """CABS rows and meta, for the learning rate of the optimiser's groups (one)."""
         if self.optimizer is None:
             raise ValueError("CABS needs the learning rate: pass optimizer= to the instruments")
-        group = self.optimizer.param_groups[0]
-        lr = float(group["lr"])
+        rates = sorted({float(group["lr"]) for group in self.optimizer.param_groups})
+        if len(rates) > 1:  # (a parameter group added with its own rate, mid-run too)
+            raise ValueError(f"CABS assumes one learning rate; the optimiser's parameter groups "
+                             f"have {len(rates)} ({', '.join(f'{r:g}' for r in rates)})")
+        lr = rates[0]
         meta: dict[str, Any] = {"optimizer": type(self.optimizer).__name__, "lr": lr,
                                 **self._sgd_note("CABS")}
         return cabs(S, N, B, float(loss), lr), meta
@@ -622,6 +666,19 @@ class Instruments:
                 "does not hold as stated")
         self._warn(note, frozenset({name}))  # once: a Python warning, stored in the run
         return {"note": note}
+
+
+def _explain_nonfinite(values: list[QuantityValue], state: StepState) -> list[QuantityValue]:
+    """`values` of the step, each NaN without a reason given the reason when the step's loss
+    is not finite (a step a GradScaler skips): never an unexplained NaN."""
+    loss = None if state.loss is None else float(state.loss)
+    if loss is None or math.isfinite(loss):
+        return values
+    for v in values:
+        if (v.step == state.step and v.value is not None and math.isnan(v.value)
+                and "reason" not in v.meta):
+            v.meta = {**v.meta, "reason": NONFINITE_LOSS.format(loss=loss)}
+    return values
 
 
 @computes("Loss")

@@ -159,7 +159,12 @@ class Scope:
         self._scaler: Any = None  # a GradScaler given to watch()
         self._scale_check = ScaleCheck(self._warn_once)
         self._param_nodes: dict[str, tuple[str, str]] = {}
-        self._module_hooks: list[Any] = []
+        self._module_hooks: dict[int, list[Any]] = {}  # id(model) -> its activation hooks
+        # the models watched (model, names, node_depth): their parameters are looked up again
+        # at each recorded step, so a replaced module (model.head = ...) is not recorded stale
+        self._watched: list[tuple[nn.Module, ModelNames, int | None]] = []
+        self._watched_params: list[torch.Tensor] = []  # theirs at the last look
+        self._step_hooks: dict[int, Any] = {}  # optimizer id -> its step post hook
         self._stance: Any = None  # the force_eager stance of the open step, to restore
         self._graph_cache: dict = {}
         self._infos: dict = {}  # TensorInfo by description, across steps (StepContext.infos)
@@ -302,8 +307,11 @@ class Scope:
         without a name the root module is "model"). activations: also record every module's
         output by forward hooks (names from module paths; the model's own output has role
         "output"). optimizer: its learning rate (of the first parameter group, as at the start
-        of each step) is logged as the KPI "learning_rate" unless the step logs one itself;
-        instruments read it too (CABS). node_depth:
+        of each step) is logged as the KPI "learning_rate" unless the step logs one itself
+        (the first watched model's optimiser); instruments read it too (CABS). Its `step()`
+        ends its parameters' recorded gradients (a GAN's G loss reaching D after D's step is
+        not D's), a closure it evaluates again inside `step()` (LBFGS) is not recorded, and
+        a forward with gradients off after it (validation) is not recorded. node_depth:
         group parameters into graph nodes by the first `node_depth` parts of their module
         path (default: the full module path). scaler: the `torch.amp.GradScaler` whose
         `scale(loss).backward()` the steps run: recorded gradients are divided by the scale
@@ -328,26 +336,39 @@ class Scope:
         compiled = model
         model = unwrap(model)  # torch.compile's and DDP's wrappers
         names = ModelNames.of(model, name)  # the one source of names for everything below
-        for pname, p in model.named_parameters():
-            full = names.param(pname)
-            module_parts = names.module(pname.rpartition(".")[0]).split(".")
-            if node_depth is not None:
-                module_parts = module_parts[:node_depth]
-            self._params[full] = p
-            self._param_nodes[full] = (".".join(module_parts), full.rpartition(".")[2])
+        watched = next((i for i, w in enumerate(self._watched) if w[0] is model),
+                       len(self._watched))
+        self._watched[watched:watched + 1] = [(model, names, node_depth)]
+        self._params.update(_params_of(model, names))
+        self._param_nodes.update(_param_nodes_of(model, names, node_depth))
+        for h in self._module_hooks.pop(id(model), []):  # watched again: hooked once
+            h.remove()
         if activations:
-            for mpath, module in model.named_modules():
-                self._module_hooks.append(module.register_forward_hook(
-                    self._activation_hook(names.module(mpath), not mpath)))
+            self._module_hooks[id(model)] = [
+                module.register_forward_hook(self._activation_hook(names.module(mpath),
+                                                                   not mpath))
+                for mpath, module in model.named_modules()]
         if self._anomalies and self.monitor is None:
             self.monitor = HealthMonitor(model, names=names, record_next=self._record_next,
                                          trace=self._anomalies == "trace",
                                          grad_every=CHECK_GRADS_EVERY if self.reducer is None
                                          else 1, distributed=self.reducer is not None)
-        if optimizer is not None:
+        if optimizer is not None and watched == 0:  # the first model's (its instruments')
             self._optimizer = optimizer
             # what the diagnosis needs to read ‖Δθ‖/‖g‖ (momentum, adaptive steps)
             self.writer.submit_meta({"optimizer": optimizer_settings(optimizer)})
+            if self.instruments is not None:  # a new optimiser for it (CABS reads its rate)
+                self.instruments.optimizer = optimizer
+        if optimizer is not None:
+            if id(optimizer) not in self._step_hooks:  # its step ends its parameters' gradients
+                self._step_hooks[id(optimizer)] = (
+                    optimizer.register_step_pre_hook(self._optimizer_stepping),
+                    optimizer.register_step_post_hook(self._optimizer_stepped))
+        if self.instruments is not None and model is not self.instruments.model:
+            warnings.warn(f"deepscope: instruments cover the first watched model only "
+                          f"({type(self.instruments.model).__name__}), not this "
+                          f"{type(model).__name__}; use a Scope (its own run) per model to "
+                          "instrument both", DeepscopeWarning, stacklevel=2)
         if self._instrument_spec is not None and self.instruments is None:
             from ..instruments.suite import Instruments  # loads only for a Scope with instruments
             # reducer: the global batch's values (rank-identical schedule, see step())
@@ -449,6 +470,8 @@ class Scope:
                                  and lr.numel() == 1 else float(lr))
             except (KeyError, IndexError, TypeError, ValueError):
                 pass  # an optimiser without one plain learning rate: nothing to log
+        if rec.recording and self._guard(self._refresh_params) is _FAILED:
+            rec.recording = False
         if rec.recording and self._guard(rec._start) is _FAILED:
             rec.recording = False
         if rec._instrumented and self._guard(self.instruments.start, rec.step,
@@ -463,6 +486,37 @@ class Scope:
             self._stance = self._guard(torch.compiler.set_stance, "force_eager")
             if self._stance is _FAILED:  # e.g. called inside a compiled region
                 self._stance = None
+
+    def _refresh_params(self) -> None:
+        """The watched models' parameters as they are now: a module replaced since `watch`
+        (`model.head = nn.Linear(...)`) is recorded under its names, not the old one."""
+        now = [p for model, _, _ in self._watched for p in model.parameters()]
+        if len(now) == len(self._watched_params) and all(
+                p is q for p, q in zip(now, self._watched_params)):
+            return  # (the usual case, ~1 µs per parameter: no names made)
+        self._watched_params = now
+        params: dict[str, torch.Tensor] = {}
+        for model, names, _ in self._watched:
+            params.update(_params_of(model, names))
+        self._param_nodes.clear()
+        for model, names, node_depth in self._watched:
+            self._param_nodes.update(_param_nodes_of(model, names, node_depth))
+        self._params.clear()  # (in place: the step context holds this dict)
+        self._params.update(params)
+
+    def _optimizer_stepping(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
+                            ) -> None:
+        rec = self._current
+        if rec is not None:  # (on every step: rec.loss counts the closure's evaluations)
+            rec._in_optimizer_step, rec._step_losses, rec._step_pass = True, 0, None
+
+    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
+                           ) -> None:
+        rec = self._current
+        if rec is not None:
+            rec._in_optimizer_step = False
+            if rec.recording:
+                self._guard(rec._stepped, optimizer)
 
     def _end(self, rec: StepRecorder, failed: bool) -> None:
         self._current = None
@@ -634,9 +688,11 @@ class Scope:
         if self.closed:
             return
         self.closed = True
-        for h in self._module_hooks:
-            h.remove()
+        for hooks in [*self._module_hooks.values(), *self._step_hooks.values()]:
+            for h in hooks:
+                h.remove()
         self._module_hooks.clear()
+        self._step_hooks.clear()
         self._send_kpis()
         findings = self._check_health(None)
         for part in (self.instruments, self.monitor):
@@ -658,6 +714,24 @@ class _Failed:
 
 
 _FAILED = _Failed()
+
+
+def _params_of(model: nn.Module, names: ModelNames) -> dict[str, torch.Tensor]:
+    """The parameters of `model` by their recorded names."""
+    return {names.param(pname): p for pname, p in model.named_parameters()}
+
+
+def _param_nodes_of(model: nn.Module, names: ModelNames, node_depth: int | None
+                    ) -> dict[str, tuple[str, str]]:
+    """(graph node, role in it) of each parameter of `model`, by recorded name."""
+    nodes = {}
+    for pname, _ in model.named_parameters():
+        full = names.param(pname)
+        module_parts = names.module(pname.rpartition(".")[0]).split(".")
+        if node_depth is not None:
+            module_parts = module_parts[:node_depth]
+        nodes[full] = (".".join(module_parts), full.rpartition(".")[2])
+    return nodes
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

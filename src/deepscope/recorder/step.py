@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..backward import in_backward
+from ..backward import graph_task, in_backward
 from ..distributed import is_dtensor
 from ..hookstate import hooks_paused
 from ..naming import named_leaves
@@ -67,6 +67,11 @@ def _check_name(name: Any, what: str = "name") -> str:
         _GOOD_NAMES.add(name)
     return name
 
+
+EVAL_FORWARD = ("a watched module ran without gradients after the optimiser's step (a validation "
+                "forward inside the training step?): its outputs are not recorded, they would "
+                "pass for the training batch's; record validation in a step of its own, e.g. "
+                "scope.step(n, kind='val')")
 
 SHARDS_NOT_RECORDED = ("parameters sharded across ranks (DTensor shards: FSDP2, tensor parallel) "
                        "and their gradients are not recorded yet: each rank holds only its "
@@ -143,6 +148,13 @@ class StepRecorder:
         self._kpis: list[tuple[str, Any]] = []
         self.loss_value: torch.Tensor | None = None
         self._hooks: list[Any] = []
+        # Inside a watched optimiser's step (LBFGS's closure): its first evaluation is at the
+        # step's parameters; later ones are at moved parameters, and not recorded: neither
+        # their rec.loss (counted here, on every step) nor, on a recorded step, what follows
+        # the first backward pass inside it.
+        self._in_optimizer_step = False
+        self._step_losses = 0  # rec.loss calls inside it
+        self._step_pass: int | None = None  # the first pass inside it
         if not self.recording:
             return
         self._named: list[Named] = []
@@ -163,6 +175,8 @@ class StepRecorder:
         self._module_calls: dict[tuple[str, int], ModuleCall] = {}
         self._attachments: dict | None = None
         self._losses: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # of rec.loss calls
+        # parameters (ids) whose optimiser has stepped: later passes are not in their update
+        self._stepped_params: set[int] = set()
         self._started = time.time()
 
     def __enter__(self) -> StepRecorder:
@@ -203,6 +217,8 @@ class StepRecorder:
             return
         if in_backward():  # a checkpoint recomputing the forward: recorded already
             self._ctx.guard(self._recomputed, name, tensor)
+            return
+        if self._reevaluating():
             return
         _check_name(name)
         if not isinstance(tensor, torch.Tensor):
@@ -254,7 +270,10 @@ class StepRecorder:
         the loss stays with the micro-batch it follows.
 
         The loss is also logged as the KPI `name` on every step: with several rec.loss calls
-        of one name, their sum (the loss whose gradient the optimiser step uses).
+        of one name, their sum (the loss whose gradient the optimiser step uses). Losses of
+        two names in one step (a GAN's D and G losses) are not micro-batches of one batch:
+        the instruments' values of that step are missing with the reason; register only the
+        instrumented (first watched) model's loss, and `rec.kpi` the other.
         """
         self._check_open("loss")
         _check_name(name, "loss name")
@@ -267,6 +286,10 @@ class StepRecorder:
             raise TypeError("rec.loss(..., per_sample=...) needs a tensor of per-sample losses "
                             "with the batch as dim 0 (reduction='none'), e.g. "
                             "loss_fn(out, y, reduction='none')")
+        if self._in_optimizer_step:
+            self._step_losses += 1
+            if self._step_losses > 1 or self._reevaluating():
+                return  # LBFGS's closure again, at moved parameters: the step's loss came first
         if self._after_loss:
             self._next_micro_batch()
         value = loss.detach()
@@ -291,7 +314,7 @@ class StepRecorder:
             self._ctx.guard(self._ctx.monitor.loss, loss, name)
         if self._instrumented:
             # Bad input must reach the user; internal failures are handled inside Instruments.
-            self._ctx.instruments.loss(loss, per_sample)
+            self._ctx.instruments.loss(loss, per_sample, name)
         self._after_loss = True
 
     def kpi(self, name: str, value: float | torch.Tensor) -> None:
@@ -368,6 +391,11 @@ class StepRecorder:
                 self._recomputed_counts[base] = count + 1
                 self._recomputed(base if count == 0 else f"{base}#{count + 1}", t)
             return
+        if self._stepped_params and not torch.is_grad_enabled():
+            self._ctx.warn_once(EVAL_FORWARD)
+            return
+        if self._reevaluating():
+            return
         role = "output" if is_root else "activation"
         frozen = tuple(id(p) for p in module.parameters(recurse=False) if not p.requires_grad)
         if self._after_loss:  # the next micro-batch's forward (gradient accumulation)
@@ -434,8 +462,15 @@ class StepRecorder:
         """Keep the gradient of `key` (of `param`, a parameter's) that backward produced."""
         if self._attachments is None:  # (before any pass can free the saved tensors)
             self._attach_saved()
+        if param is not None and id(param) in self._stepped_params:
+            return  # after its optimiser's step (a GAN's G loss reaching D): not its update
         if not self._passes.counts():
             return  # an autograd.grad pass: its gradients never reach .grad
+        if self._in_optimizer_step:
+            if self._step_pass is None:
+                self._step_pass = graph_task()
+            elif graph_task() != self._step_pass:
+                return  # a closure evaluated again inside the step, at moved parameters
         if grad.layout != torch.strided:  # nn.Embedding(sparse=True)'s: recorded densified,
             grad = grad.to_dense()  # the parameter's size (its statistics count every row)
             self._owned.add(key)
@@ -462,6 +497,20 @@ class StepRecorder:
         # autograd cannot hand it on as a parameter's .grad, nor add into it in place.
         self._grads[key] = grad
         self._grad_versions[key] = grad._version
+
+    def _reevaluating(self) -> bool:
+        """Whether an optimiser's closure runs again inside its step (LBFGS's line search):
+        after the step's first backward pass there, at parameters the step already moved."""
+        return self._in_optimizer_step and self._step_pass is not None
+
+    def _stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer.step()` ended (Scope's step post hook): the gradients of its parameters
+        recorded so far are those it stepped with; passes after it do not change them."""
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        # (a step before this step's backward, of the last step's gradients, ends nothing)
+        received = {name for name, _ in self._grads}
+        self._stepped_params.update(id(p) for name, p in self._ctx.params.items()
+                                    if name in received and id(p) in stepped)
 
     def _record_values(self, records: list[tuple[str, str, int, torch.Tensor, int | None]]
                        ) -> None:
