@@ -252,6 +252,7 @@ class PerSampleEngine:
         self._sizes: list[tuple[int, int]] | None = None  # (micro, samples) in sample order
         self._effective: dict[int, list[tuple[int, Call]]] | None = None
         self._shared_forward: set[int] = set()  # losses whose backward met another's calls
+        self._sequence_first = False  # a (T=B, B, …) call had its batch at dim 1
         self._nested: dict[int, int] = {}  # a checkpoint's nested backward -> its outer pass
         self._cache: dict[str, dict[str, Tensor]] = {}
         self._shared: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
@@ -326,6 +327,11 @@ class PerSampleEngine:
         for slot, j in enumerate(slots):
             hook = partial(self._on_grad, index, call, slot)
             self._handles.append(leaves[j].register_hook(hook))
+        if hooked.rule.sequence_first(call):
+            x = tensor_leaves((call.args, call.kwargs))[0]  # (T, B, …)
+            # T ≠ B: a module taking its (T, B, …) data for batch-first sees T samples and
+            # says so; T == B: it cannot tell (see `_ambiguous`)
+            self._sequence_first |= x.shape[0] == x.shape[1]
         hooked.calls.append(call)
         self._order.append((index, call))
         self._built = None
@@ -381,6 +387,8 @@ class PerSampleEngine:
                        for t in tensor_leaves((call.args, call.kwargs, call.grads, call.outputs)))
         try:
             samples = rule.batch_size(call)
+            if self._ambiguous(index, call, samples):
+                return  # _build says why
             if samples * sum(p.numel() * p.element_size()
                              for p in rule.params.values()) >= captured:
                 return
@@ -664,6 +672,16 @@ class PerSampleEngine:
         self.swept = {}
         return built
 
+    def _ambiguous(self, index: int, call: Call, batch: int) -> bool:
+        """Whether a dim-0-batch call's input (B, B, …) may be (sequence, batch, …): in a
+        step with a sequence-first call, e.g. a Linear after nn.MultiheadAttention with
+        batch_first=False, when the sequence is as long as the batch."""
+        rule = self._hooked[index].rule
+        if not self._sequence_first or not rule.batch_dim0 or rule.channels_at_dim1:
+            return False
+        leaves = tensor_leaves((call.args, call.kwargs))
+        return bool(leaves) and leaves[0].dim() >= 2 and leaves[0].shape[:2] == (batch, batch)
+
     def _samples(self, index: int, call: Call) -> int:
         """A call's batch size (Unsupported: why it has none)."""
         return call.samples if call.kept is not None else self._hooked[index].rule.batch_size(call)
@@ -692,6 +710,12 @@ class PerSampleEngine:
                    "to the loss, so it has no per-sample gradient" if broadcast else
                    " (the batch must be dim 0 of every module input)")
             )
+        if any(self._ambiguous(index, c, ctx.batch_size) for c in calls if c.kept is None):
+            raise Unsupported(
+                f"its input is ({ctx.batch_size}, {ctx.batch_size}, …) in a model with "
+                "sequence-first modules (batch_first=False): its dim 0 may be the sequence, "
+                "not the batch; use batch_first=True, or a sequence length other than the "
+                "batch size")
         kept = [c.kept for c in calls if c.kept is not None]
         if not kept:
             return hooked.rule.grads(calls, ctx)

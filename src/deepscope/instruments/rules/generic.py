@@ -33,6 +33,7 @@ from .base import (
     Rule,
     Unsupported,
     first_input,
+    first_input_or_none,
     map_tensors,
     tensor_leaves,
 )
@@ -287,6 +288,10 @@ class GenericRule(Rule):
         return _Prepared(leaves, in_dims, rebuild, select, gouts, out_dims, call.extra, recorded)
 
 
+def _is_3d(x: Tensor | None) -> bool:
+    return x is not None and x.dim() == 3
+
+
 class MultiheadAttentionRule(GenericRule):
     """nn.MultiheadAttention: owns out_proj's parameters too (used without calling it);
     batch dim 1 for query/key/value unless batch_first."""
@@ -296,6 +301,9 @@ class MultiheadAttentionRule(GenericRule):
 
     def _dim(self) -> int:
         return 0 if self.module.batch_first else 1
+
+    def sequence_first(self, call: Call) -> bool:
+        return not self.module.batch_first and _is_3d(first_input_or_none(call, "query"))
 
     def batch_size(self, call: Call) -> int:
         query = first_input(call, "query")
@@ -323,6 +331,9 @@ class RNNRule(GenericRule):
 
     def _dim(self) -> int:
         return 0 if self.module.batch_first else 1
+
+    def sequence_first(self, call: Call) -> bool:
+        return not self.module.batch_first and _is_3d(first_input_or_none(call))
 
     def batch_size(self, call: Call) -> int:
         x = first_input(call)  # a PackedSequence is not a tensor: unsupported
