@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from deepscope.instruments.engine import PerSampleEngine
 from deepscope.instruments.rules import GenericRule, rule_for
@@ -545,3 +546,21 @@ def test_delivered_gradients_are_used_only_when_they_are_the_sum(monkeypatch, ed
         assert accepted == [False, False]
     elif edit == "scale_grad":  # version counters changed: never offered
         assert accepted == []
+
+
+@pytest.mark.parametrize("with_loss", [False, True])
+def test_no_module_with_a_batch_says_why(with_loss) -> None:
+    """An RNN on a PackedSequence, alone: the error names it, not a missing backward."""
+    gru = nn.GRU(3, 4, batch_first=True).double()
+    packed = pack_padded_sequence(rand(B, 4, 3), torch.tensor([4, 2, 3, 1, 4]),
+                                  batch_first=True, enforce_sorted=False)
+    engine = PerSampleEngine(gru)
+    engine.start()
+    out, _ = pad_packed_sequence(gru(packed)[0], batch_first=True)
+    losses = out.square().flatten(1).mean(1)
+    if with_loss:
+        engine.add_loss(losses.mean(), B, per_sample=losses)
+    losses.mean().backward()
+    engine.stop()
+    with pytest.raises(ValueError, match="GRU .*its first input is PackedSequence"):
+        engine.sq_norms()

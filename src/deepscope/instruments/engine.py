@@ -560,10 +560,17 @@ class PerSampleEngine:
         sizes = []
         for micro in range(max(len(self._micros), 1)):
             counts: Counter[int] = Counter()
+            why: dict[str, str] = {}  # module -> why it has no batch size
             for index, call in effective.get(micro, []):
-                with contextlib.suppress(Unsupported):
+                try:
                     counts[self._samples(index, call)] += 1
+                except Unsupported as error:
+                    why.setdefault(self._hooked[index].label, str(error))
             which = f" of loss {micro + 1} (micro-batch {micro + 1})" if self._micros else ""
+            if not counts and why:
+                raise ValueError(
+                    f"no module reached by the backward pass{which} has a batch dimension: "
+                    + "; ".join(f"{label}: {reason}" for label, reason in why.items()))
             if not counts and not self._micros:
                 raise ValueError(
                     "no gradients were captured: call backward() on the loss after the forward, "
