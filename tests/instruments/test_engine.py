@@ -121,6 +121,18 @@ class Branchy(nn.Module):
         return x * self.w if bool((x.abs() < 1e6).all()) else x
 
 
+class Gained(nn.Module):
+    """A parameter of its own and a child: the generic rule re-runs the child too."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(d))
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.lin(x)) * self.gain
+
+
 class Cube(torch.autograd.Function):
     """x³ with a backward only: neither vmap nor forward-mode AD can run it."""
 
@@ -386,7 +398,8 @@ def test_stop_removes_every_hook_and_inputs_are_untouched() -> None:
 
 
 def test_results_after_in_place_optimizer_step_are_pre_step() -> None:
-    model = nn.Sequential(Attention(), Custom(3), nn.LayerNorm(3)).double()
+    # Gained's re-run reads its child's parameters as they were at forward time too
+    model = nn.Sequential(Attention(), Custom(3), Gained(3), nn.LayerNorm(3)).double()
     x, target = tokens(7, 6), rand(B, 3)  # T ≠ B (see cases)
     ref = reference(model, (x,), target, sq_err)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -400,6 +413,7 @@ def test_results_after_in_place_optimizer_step_are_pre_step() -> None:
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
     engine.set_scale(B)
     check_all(engine, ref, dots_first=True)
+    assert engine.warnings == []
 
 
 @pytest.mark.parametrize("dots_first", [True, False])

@@ -60,7 +60,8 @@ class _Prepared:
     select: list[int]  # output tensor leaves that received a gradient
     gouts: list[Tensor]  # their scaled gradients
     out_dims: list[int]
-    params: dict[str, Tensor]  # parameter copies from forward time
+    params: dict[str, Tensor]  # copies of its own parameters from forward time
+    fixed: dict[str, Tensor]  # copies of its submodules' parameters from forward time
     recorded: list[Tensor | None]  # recorded outputs (None where modified in place since)
 
 
@@ -81,7 +82,8 @@ class GenericGrads(ModuleGrads):
     def _run(self, call: _Prepared, leaves: list[Tensor], params: dict[str, Tensor]) -> tuple:
         """The call's gradient-carrying outputs, re-run on `leaves` with `params`."""
         args, kwargs = call.rebuild(leaves)
-        out = functional_call(self.rule.module, {**self.buffers, **params}, args, kwargs)
+        out = functional_call(self.rule.module, {**self.buffers, **call.fixed, **params},
+                              args, kwargs)
         outs = tensor_leaves(out)
         return tuple(outs[j] for j in call.select)
 
@@ -229,10 +231,14 @@ class GenericRule(Rule):
         self._copies = {}
 
     def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Tensor]:
-        """Copies of the parameters as used in this forward (the optimiser may change them);
-        several calls in one step share a copy while the parameter is unchanged."""
+        """Copies of the parameters as used in this forward (the optimiser may change them):
+        its own, and its submodules' trainable ones that a re-run reads (not
+        differentiated); several calls in one step share a copy while the parameter is
+        unchanged."""
         copies = {}
-        for name, p in self.params.items():
+        used = {**{n: p for n, p in self.module.named_parameters() if p.requires_grad},
+                **self.params}
+        for name, p in used.items():
             kept = self._copies.get(name)
             if kept is None or kept[1] != p._version:
                 kept = (p.detach().clone(), p._version)
@@ -285,7 +291,9 @@ class GenericRule(Rule):
             it = iter(new)
             return map_tensors((call.args, call.kwargs), lambda _: next(it))
 
-        return _Prepared(leaves, in_dims, rebuild, select, gouts, out_dims, call.extra, recorded)
+        own = {n: v for n, v in call.extra.items() if n in self.params}
+        fixed = {n: v for n, v in call.extra.items() if n not in self.params}
+        return _Prepared(leaves, in_dims, rebuild, select, gouts, out_dims, own, fixed, recorded)
 
 
 def _is_3d(x: Tensor | None) -> bool:
