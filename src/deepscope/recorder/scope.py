@@ -29,6 +29,7 @@ from ..store.layout import check_run_name, rank_file, rank_files
 from ..store.writer import FINISHED, INTERRUPTED, RunLock, StoreWriter
 from .buffers import BufferPool
 from .context import StepContext, StepOutcome
+from .layouts import sequence_first_modules
 from .passes import ScaleCheck
 from .ranks import agree_run_id, any_rank, first_failure, run_meta, unwrap, world_size
 from .schedule import Schedule, as_schedule, every
@@ -336,9 +337,10 @@ class Scope:
             self._params[full] = p
             self._param_nodes[full] = (".".join(module_parts), full.rpartition(".")[2])
         if activations:
+            sequence_first = sequence_first_modules(model)
             for mpath, module in model.named_modules():
-                self._module_hooks.append(module.register_forward_hook(
-                    self._activation_hook(names.module(mpath), not mpath)))
+                self._module_hooks.append(module.register_forward_hook(self._activation_hook(
+                    names.module(mpath), not mpath, id(module) in sequence_first)))
         if self._anomalies and self.monitor is None:
             self.monitor = HealthMonitor(model, names=names, record_next=self._record_next,
                                          trace=self._anomalies == "trace",
@@ -575,12 +577,13 @@ class Scope:
             # the user's `with` (or end_step call)
             warnings.warn(f"deepscope: {w.text()}", DeepscopeWarning, stacklevel=6)
 
-    def _activation_hook(self, path: str, is_root: bool) -> Callable:
+    def _activation_hook(self, path: str, is_root: bool, sequence_first: bool) -> Callable:
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
             rec = self._current
             # hooks_paused: an instrument re-running a module's forward is not the user's
             if rec is not None and rec.recording and not hooks_paused():
-                self._guard(rec._record_output, path, is_root, output, module, inputs)
+                self._guard(rec._record_output, path, is_root, output, module, inputs,
+                            sequence_first)
         return hook
 
     # --- failures inside recording never stop training -------------------------------------
