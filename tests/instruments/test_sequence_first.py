@@ -1,11 +1,13 @@
 """Sequence-first models (batch_first=False): the batch is dim 1 of their activations.
 
-nn.MultiheadAttention and the RNNs know their batch dim; a Linear or LayerNorm applied to
-their (T, B, …) output does not. With T ≠ B its per-sample values are missing (dim 0 is
-not the batch size); with T == B they used to be computed over the sequence positions
-as if they were samples (a silently wrong NormTest and histogram): they are missing with
-the reason. Modules whose dim 1 is channels (a Conv1d with B channels) keep their values,
-checked against the float64 per-sample loop.
+nn.MultiheadAttention and the RNNs know their batch dim; a Linear or LayerNorm of the
+user's applied to their (T, B, …) output does not. With T ≠ B its per-sample values are
+missing (dim 0 is not the batch size); with T == B they used to be computed over the
+sequence positions as if they were samples (a silently wrong NormTest and histogram): they
+are missing with the reason. Modules whose dim 1 is channels (a Conv1d with B channels)
+keep their values. The layers inside PyTorch's sequence-first transformers are known to
+be (T, B, …): exact, whatever T is (they were missing, or wrong at T == B). Checked
+against the float64 per-sample loop.
 """
 
 from __future__ import annotations
@@ -67,3 +69,33 @@ def test_sequence_as_long_as_the_batch_is_missing_not_wrong(tmp_path, core) -> N
     for name in checked:  # the conv (channels at dim 1) and the seq-first core stay exact
         want = R.norm_test(ref.grads[name])
         assert math.isclose(q.loc[name, "value"], want, rel_tol=1e-4), name
+
+
+def _record(tmp_path, model: nn.Module, x: Tensor, losses) -> tuple:
+    ref = R.batch_reference(copy.deepcopy(model).double(), lambda m: losses(m, x.double()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with deepscope.Scope(tmp_path, "r", schedule=deepscope.every(1),
+                         instruments=["NormTest"]) as scope:
+        scope.watch(model, optimizer=opt)
+        with scope.step(0) as rec:
+            per_sample = losses(model, x)
+            rec.loss(per_sample.mean(), per_sample=per_sample)
+            per_sample.mean().backward()
+    q = deepscope.open_run(tmp_path / "r").quantities()
+    return ref, q[q["name"] == "NormTest"].set_index("layer")
+
+
+@pytest.mark.parametrize("length", [3, B])
+def test_layers_inside_a_sequence_first_transformer_are_exact(tmp_path, length) -> None:
+    torch.manual_seed(0)
+    # float64: its float32 backward through two LayerNorms is only good to ~1e-3 here
+    model = nn.TransformerEncoderLayer(6, 2, 8, dropout=0.0).double()  # batch_first=False
+
+    def losses(m: nn.Module, x: Tensor) -> Tensor:
+        return (m(x) - 0.5).square().mean((0, 2))
+
+    ref, q = _record(tmp_path, model, torch.randn(length, B, 6, dtype=torch.float64), losses)
+    assert {"linear1.weight", "norm2.bias"} <= set(ref.names)
+    for name in ref.names:
+        want = R.norm_test(ref.grads[name])
+        assert math.isclose(q.loc[name, "value"], want, rel_tol=1e-4), (name, q.loc[name])

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from ..hookstate import hooks_paused
+from ..layouts import sequence_first_modules
 from ..naming import ModelNames
 from .rules import GenericRule, rule_for
 from .rules.base import (
@@ -70,10 +71,18 @@ class _Hooked:
     rule: Rule
     names: dict[str, str]  # module-local parameter name -> engine (dotted) name
     calls: list[Call] = field(default_factory=list)
+    # a batch-first rule inside a sequence-first transformer: its 3-D inputs, outputs and
+    # output gradients are (T, B, …), captured as (B, T, …) (position-wise layers: exact)
+    transposed: bool = False
 
 
 def _detach(x: Tensor) -> Tensor:
     return x.detach()  # same storage and version counter: no copy, in-place edits visible
+
+
+def _batch_first(x: Tensor) -> Tensor:
+    """A (T, B, …) tensor as a (B, T, …) view; others as they are."""
+    return x.movedim(1, 0) if x.dim() == 3 else x
 
 
 def _edited(call: Call) -> bool:
@@ -217,6 +226,7 @@ class PerSampleEngine:
     def _find_modules(self) -> list[_Hooked]:
         engine_name = {id(p): n for n, p in self._params.items()}
         covered: set[int] = set()  # submodules whose parameters a recursive rule owns
+        sequence_first = sequence_first_modules(self.model)
         hooked = []
         for module_name, module in self.model.named_modules():
             if id(module) in covered:
@@ -236,7 +246,8 @@ class PerSampleEngine:
                 rule = GenericRule(module, params)
                 rule.batched = False  # the reasons are couplings between samples
             names = {local: engine_name[id(p)] for local, p in params.items()}
-            hooked.append(_Hooked(label, module, rule, names))
+            hooked.append(_Hooked(label, module, rule, names, transposed=rule.batch_dim0
+                                  and id(module) in sequence_first))
         return hooked
 
     def _warn(self, message: str) -> None:
@@ -308,9 +319,10 @@ class PerSampleEngine:
         if not slots:
             return
         hooked = self._hooked[index]
+        detach = (lambda x: _batch_first(x.detach())) if hooked.transposed else _detach
         call = Call(
-            args=map_tensors(args, _detach),
-            kwargs=map_tensors(kwargs, _detach),
+            args=map_tensors(args, detach),
+            kwargs=map_tensors(kwargs, detach),
             out_index=slots,
             grads=[None] * len(slots),
             in_versions=[x._version for x in tensor_leaves((args, kwargs))],
@@ -320,9 +332,10 @@ class PerSampleEngine:
         if task != -1:  # a checkpoint recomputing the forward inside a backward pass
             call.task = task
         if hooked.rule.keeps_outputs:
-            call.outputs = [leaves[j].detach() for j in slots]
+            call.outputs = [detach(leaves[j]) for j in slots]
             call.out_versions = [leaves[j]._version for j in slots]
-        if len(leaves) == 1 and leaves[0].dim() > 0 and leaves[0].shape[0] == 1:
+        if (len(leaves) == 1 and leaves[0].dim() > 0 and leaves[0].shape[0] == 1
+                and not hooked.transposed):
             call.node = leaves[0].grad_fn  # may be broadcast over the batch: see add_loss
         for slot, j in enumerate(slots):
             hook = partial(self._on_grad, index, call, slot)
@@ -368,6 +381,8 @@ class PerSampleEngine:
                 self._shared_forward.add(micro)
                 return
             call.micro = micro
+        if self._hooked[index].transposed:
+            grad = _batch_first(grad)
         # several backward passes through one output add up, like .grad does
         previous = call.grads[slot]
         call.grads[slot] = grad if previous is None else previous + grad
@@ -683,8 +698,10 @@ class PerSampleEngine:
         """Whether a dim-0-batch call's input (B, B, …) may be (sequence, batch, …): in a
         step with a sequence-first call, e.g. a Linear after nn.MultiheadAttention with
         batch_first=False, when the sequence is as long as the batch."""
-        rule = self._hooked[index].rule
-        if not self._sequence_first or not rule.batch_dim0 or rule.channels_at_dim1:
+        hooked = self._hooked[index]
+        rule = hooked.rule
+        if (not self._sequence_first or not rule.batch_dim0 or rule.channels_at_dim1
+                or hooked.transposed):  # transposed: known to be (T, B, …)
             return False
         leaves = tensor_leaves((call.args, call.kwargs))
         return bool(leaves) and leaves[0].dim() >= 2 and leaves[0].shape[:2] == (batch, batch)

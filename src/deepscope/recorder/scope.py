@@ -22,6 +22,7 @@ from ..anomalies.monitor import HealthMonitor
 from ..distributed import DEFAULT_TIMEOUT_S, CollectiveError, Reducer
 from ..errors import DeepscopeWarning
 from ..hookstate import hooks_paused
+from ..layouts import sequence_first_modules
 from ..naming import ModelNames
 from ..records import InstrumentWarning
 from ..store import limits
@@ -29,7 +30,6 @@ from ..store.layout import check_run_name, rank_file, rank_files
 from ..store.writer import FINISHED, INTERRUPTED, RunLock, StoreWriter
 from .buffers import BufferPool
 from .context import StepContext, StepOutcome
-from .layouts import sequence_first_modules
 from .passes import ScaleCheck
 from .ranks import agree_run_id, any_rank, first_failure, run_meta, unwrap, world_size
 from .schedule import Schedule, as_schedule, every

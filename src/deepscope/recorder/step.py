@@ -12,6 +12,7 @@ import torch
 
 from ..distributed import is_dtensor
 from ..hookstate import hooks_paused
+from ..layouts import output_batch_dims
 from ..naming import named_leaves
 from ..records import QuantityValue, StepPayload, TensorInfo
 from ..store import limits
@@ -25,7 +26,6 @@ from .graph import (
     memory_region,
     saved_attachments,
 )
-from .layouts import output_batch_dims
 from .passes import PassFilter, in_backward
 from .ranks import local_values
 from .summary import Capture, StepCaptures, SummarySettings

@@ -1,4 +1,5 @@
-"""Where the batch is in the outputs of PyTorch's sequence modules (watched activations).
+"""Where the batch is in the activations of PyTorch's sequence modules (the recorder's
+watched outputs; the instruments' per-sample gradients inside sequence-first transformers).
 
 Every other module's output is batch-first (dim 0). The exceptions, by module:
   - nn.RNN / LSTM / GRU: the output (B, T, H) with batch_first, else (T, B, H); the states
@@ -19,7 +20,7 @@ from typing import Any
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
-from ..naming import named_leaves
+from .naming import named_leaves
 
 _TRANSFORMERS = (nn.Transformer, nn.TransformerEncoder, nn.TransformerDecoder,
                  nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
