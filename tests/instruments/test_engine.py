@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from deepscope.instruments.engine import PerSampleEngine
 from deepscope.instruments.rules import GenericRule, rule_for
@@ -120,6 +121,18 @@ class Branchy(nn.Module):
         return x * self.w if bool((x.abs() < 1e6).all()) else x
 
 
+class Gained(nn.Module):
+    """A parameter of its own and a child: the generic rule re-runs the child too."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(d))
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.lin(x)) * self.gain
+
+
 class Cube(torch.autograd.Function):
     """x³ with a backward only: neither vmap nor forward-mode AD can run it."""
 
@@ -199,7 +212,8 @@ def cases() -> dict[str, Callable[[], tuple[nn.Module, tuple, Tensor, LossFn]]]:
             torch.randint(0, 3, (B,)),
             ce,
         ),
-        "attention": lambda: (Attention(), (tokens(7),), torch.randint(0, 3, (B,)), ce),
+        # 6 positions: a sequence-first layer with T == B makes the others ambiguous (missing)
+        "attention": lambda: (Attention(), (tokens(7, 6),), torch.randint(0, 3, (B,)), ce),
         "shared": lambda: (Shared(), (tokens(6),), torch.randint(0, 6, (B,)), ce),
         # (B, 3, 2, 16): 6 positions per sample; the first layer takes the Gram path,
         # the second (16 -> 2) materialises
@@ -384,8 +398,9 @@ def test_stop_removes_every_hook_and_inputs_are_untouched() -> None:
 
 
 def test_results_after_in_place_optimizer_step_are_pre_step() -> None:
-    model = nn.Sequential(Attention(), Custom(3), nn.LayerNorm(3)).double()
-    x, target = tokens(7), rand(B, 3)
+    # Gained's re-run reads its child's parameters as they were at forward time too
+    model = nn.Sequential(Attention(), Custom(3), Gained(3), nn.LayerNorm(3)).double()
+    x, target = tokens(7, 6), rand(B, 3)  # T ≠ B (see cases)
     ref = reference(model, (x,), target, sq_err)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     engine = PerSampleEngine(model)
@@ -398,6 +413,7 @@ def test_results_after_in_place_optimizer_step_are_pre_step() -> None:
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
     engine.set_scale(B)
     check_all(engine, ref, dots_first=True)
+    assert engine.warnings == []
 
 
 @pytest.mark.parametrize("dots_first", [True, False])
@@ -544,3 +560,21 @@ def test_delivered_gradients_are_used_only_when_they_are_the_sum(monkeypatch, ed
         assert accepted == [False, False]
     elif edit == "scale_grad":  # version counters changed: never offered
         assert accepted == []
+
+
+@pytest.mark.parametrize("with_loss", [False, True])
+def test_no_module_with_a_batch_says_why(with_loss) -> None:
+    """An RNN on a PackedSequence, alone: the error names it, not a missing backward."""
+    gru = nn.GRU(3, 4, batch_first=True).double()
+    packed = pack_padded_sequence(rand(B, 4, 3), torch.tensor([4, 2, 3, 1, 4]),
+                                  batch_first=True, enforce_sorted=False)
+    engine = PerSampleEngine(gru)
+    engine.start()
+    out, _ = pad_packed_sequence(gru(packed)[0], batch_first=True)
+    losses = out.square().flatten(1).mean(1)
+    if with_loss:
+        engine.add_loss(losses.mean(), B, per_sample=losses)
+    losses.mean().backward()
+    engine.stop()
+    with pytest.raises(ValueError, match="GRU .*its first input is PackedSequence"):
+        engine.sq_norms()

@@ -42,6 +42,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..backward import accumulates
 from ..hookstate import hooks_paused
+from ..layouts import sequence_first_modules
 from ..naming import ModelNames
 from .rules import GenericRule, rule_for
 from .rules.base import (
@@ -71,10 +72,18 @@ class _Hooked:
     rule: Rule
     names: dict[str, str]  # module-local parameter name -> engine (dotted) name
     calls: list[Call] = field(default_factory=list)
+    # a batch-first rule inside a sequence-first transformer: its 3-D inputs, outputs and
+    # output gradients are (T, B, …), captured as (B, T, …) (position-wise layers: exact)
+    transposed: bool = False
 
 
 def _detach(x: Tensor) -> Tensor:
     return x.detach()  # same storage and version counter: no copy, in-place edits visible
+
+
+def _batch_first(x: Tensor) -> Tensor:
+    """A (T, B, …) tensor as a (B, T, …) view; others as they are."""
+    return x.movedim(1, 0) if x.dim() == 3 else x
 
 
 def _edited(call: Call) -> bool:
@@ -218,6 +227,7 @@ class PerSampleEngine:
     def _find_modules(self) -> list[_Hooked]:
         engine_name = {id(p): n for n, p in self._params.items()}
         covered: set[int] = set()  # submodules whose parameters a recursive rule owns
+        sequence_first = sequence_first_modules(self.model)
         hooked = []
         for module_name, module in self.model.named_modules():
             if id(module) in covered:
@@ -237,7 +247,8 @@ class PerSampleEngine:
                 rule = GenericRule(module, params)
                 rule.batched = False  # the reasons are couplings between samples
             names = {local: engine_name[id(p)] for local, p in params.items()}
-            hooked.append(_Hooked(label, module, rule, names))
+            hooked.append(_Hooked(label, module, rule, names, transposed=rule.batch_dim0
+                                  and id(module) in sequence_first))
         return hooked
 
     def _warn(self, message: str) -> None:
@@ -253,6 +264,7 @@ class PerSampleEngine:
         self._sizes: list[tuple[int, int]] | None = None  # (micro, samples) in sample order
         self._effective: dict[int, list[tuple[int, Call]]] | None = None
         self._shared_forward: set[int] = set()  # losses whose backward met another's calls
+        self._sequence_first = False  # a (T=B, B, …) call had its batch at dim 1
         self._nested: dict[int, int] = {}  # a checkpoint's nested backward -> its outer pass
         self._cache: dict[str, dict[str, Tensor]] = {}
         self._shared: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
@@ -308,9 +320,10 @@ class PerSampleEngine:
         if not slots:
             return
         hooked = self._hooked[index]
+        detach = (lambda x: _batch_first(x.detach())) if hooked.transposed else _detach
         call = Call(
-            args=map_tensors(args, _detach),
-            kwargs=map_tensors(kwargs, _detach),
+            args=map_tensors(args, detach),
+            kwargs=map_tensors(kwargs, detach),
             out_index=slots,
             grads=[None] * len(slots),
             in_versions=[x._version for x in tensor_leaves((args, kwargs))],
@@ -320,13 +333,19 @@ class PerSampleEngine:
         if task != -1:  # a checkpoint recomputing the forward inside a backward pass
             call.task = task
         if hooked.rule.keeps_outputs:
-            call.outputs = [leaves[j].detach() for j in slots]
+            call.outputs = [detach(leaves[j]) for j in slots]
             call.out_versions = [leaves[j]._version for j in slots]
-        if len(leaves) == 1 and leaves[0].dim() > 0 and leaves[0].shape[0] == 1:
+        if (len(leaves) == 1 and leaves[0].dim() > 0 and leaves[0].shape[0] == 1
+                and not hooked.transposed):
             call.node = leaves[0].grad_fn  # may be broadcast over the batch: see add_loss
         for slot, j in enumerate(slots):
             hook = partial(self._on_grad, index, call, slot)
             self._handles.append(leaves[j].register_hook(hook))
+        if hooked.rule.sequence_first(call):
+            x = tensor_leaves((call.args, call.kwargs))[0]  # (T, B, …)
+            # T ≠ B: a module taking its (T, B, …) data for batch-first sees T samples and
+            # says so; T == B: it cannot tell (see `_ambiguous`)
+            self._sequence_first |= x.shape[0] == x.shape[1]
         hooked.calls.append(call)
         self._order.append((index, call))
         self._built = None
@@ -363,6 +382,8 @@ class PerSampleEngine:
                 self._shared_forward.add(micro)
                 return
             call.micro = micro
+        if self._hooked[index].transposed:
+            grad = _batch_first(grad)
         # several backward passes through one output add up, like .grad does
         previous = call.grads[slot]
         call.grads[slot] = grad if previous is None else previous + grad
@@ -382,6 +403,8 @@ class PerSampleEngine:
                        for t in tensor_leaves((call.args, call.kwargs, call.grads, call.outputs)))
         try:
             samples = rule.batch_size(call)
+            if self._ambiguous(index, call, samples):
+                return  # _build says why
             if samples * sum(p.numel() * p.element_size()
                              for p in rule.params.values()) >= captured:
                 return
@@ -553,10 +576,17 @@ class PerSampleEngine:
         sizes = []
         for micro in range(max(len(self._micros), 1)):
             counts: Counter[int] = Counter()
+            why: dict[str, str] = {}  # module -> why it has no batch size
             for index, call in effective.get(micro, []):
-                with contextlib.suppress(Unsupported):
+                try:
                     counts[self._samples(index, call)] += 1
+                except Unsupported as error:
+                    why.setdefault(self._hooked[index].label, str(error))
             which = f" of loss {micro + 1} (micro-batch {micro + 1})" if self._micros else ""
+            if not counts and why:
+                raise ValueError(
+                    f"no module reached by the backward pass{which} has a batch dimension: "
+                    + "; ".join(f"{label}: {reason}" for label, reason in why.items()))
             if not counts and not self._micros:
                 raise ValueError(
                     "no gradients were captured: call backward() on the loss after the forward, "
@@ -665,6 +695,18 @@ class PerSampleEngine:
         self.swept = {}
         return built
 
+    def _ambiguous(self, index: int, call: Call, batch: int) -> bool:
+        """Whether a dim-0-batch call's input (B, B, …) may be (sequence, batch, …): in a
+        step with a sequence-first call, e.g. a Linear after nn.MultiheadAttention with
+        batch_first=False, when the sequence is as long as the batch."""
+        hooked = self._hooked[index]
+        rule = hooked.rule
+        if (not self._sequence_first or not rule.batch_dim0 or rule.channels_at_dim1
+                or hooked.transposed):  # transposed: known to be (T, B, …)
+            return False
+        leaves = tensor_leaves((call.args, call.kwargs))
+        return bool(leaves) and leaves[0].dim() >= 2 and leaves[0].shape[:2] == (batch, batch)
+
     def _samples(self, index: int, call: Call) -> int:
         """A call's batch size (Unsupported: why it has none)."""
         return call.samples if call.kept is not None else self._hooked[index].rule.batch_size(call)
@@ -693,6 +735,12 @@ class PerSampleEngine:
                    "to the loss, so it has no per-sample gradient" if broadcast else
                    " (the batch must be dim 0 of every module input)")
             )
+        if any(self._ambiguous(index, c, ctx.batch_size) for c in calls if c.kept is None):
+            raise Unsupported(
+                f"its input is ({ctx.batch_size}, {ctx.batch_size}, …) in a model with "
+                "sequence-first modules (batch_first=False): its dim 0 may be the sequence, "
+                "not the batch; use batch_first=True, or a sequence length other than the "
+                "batch size")
         kept = [c.kept for c in calls if c.kept is not None]
         if not kept:
             return hooked.rule.grads(calls, ctx)

@@ -22,6 +22,7 @@ from ..anomalies.monitor import HealthMonitor
 from ..distributed import DEFAULT_TIMEOUT_S, CollectiveError, Reducer
 from ..errors import DeepscopeWarning
 from ..hookstate import hooks_paused
+from ..layouts import sequence_first_modules
 from ..naming import ModelNames
 from ..records import InstrumentWarning
 from ..store import limits
@@ -344,9 +345,10 @@ class Scope:
         for h in self._module_hooks.pop(id(model), []):  # watched again: hooked once
             h.remove()
         if activations:
+            sequence_first = sequence_first_modules(model)
             self._module_hooks[id(model)] = [
-                module.register_forward_hook(self._activation_hook(names.module(mpath),
-                                                                   not mpath))
+                module.register_forward_hook(self._activation_hook(
+                    names.module(mpath), not mpath, id(module) in sequence_first))
                 for mpath, module in model.named_modules()]
         if self._anomalies and self.monitor is None:
             self.monitor = HealthMonitor(model, names=names, record_next=self._record_next,
@@ -629,12 +631,13 @@ class Scope:
             # the user's `with` (or end_step call)
             warnings.warn(f"deepscope: {w.text()}", DeepscopeWarning, stacklevel=6)
 
-    def _activation_hook(self, path: str, is_root: bool) -> Callable:
+    def _activation_hook(self, path: str, is_root: bool, sequence_first: bool) -> Callable:
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
             rec = self._current
             # hooks_paused: an instrument re-running a module's forward is not the user's
             if rec is not None and rec.recording and not hooks_paused():
-                self._guard(rec._record_output, path, is_root, output, module, inputs)
+                self._guard(rec._record_output, path, is_root, output, module, inputs,
+                            sequence_first)
         return hook
 
     # --- failures inside recording never stop training -------------------------------------

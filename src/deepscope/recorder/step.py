@@ -13,6 +13,7 @@ import torch
 from ..backward import graph_task, in_backward
 from ..distributed import is_dtensor
 from ..hookstate import hooks_paused
+from ..layouts import output_batch_dims
 from ..naming import named_leaves
 from ..records import QuantityValue, StepPayload, TensorInfo
 from ..store import limits
@@ -382,8 +383,9 @@ class StepRecorder:
         self._iterations_used = True
 
     def _record_output(self, path: str, is_root: bool, output: Any, module: torch.nn.Module,
-                       inputs: Any) -> None:
-        """A watched module's output (Scope.watch(activations=True)), by module path."""
+                       inputs: Any, sequence_first: bool = False) -> None:
+        """A watched module's output (Scope.watch(activations=True)), by module path;
+        `sequence_first`: inside a PyTorch transformer with batch_first=False (see layouts)."""
         if in_backward():  # a checkpoint recomputing the forward: recorded already
             for suffix, t in named_leaves(output):
                 base = path + suffix
@@ -400,6 +402,7 @@ class StepRecorder:
         frozen = tuple(id(p) for p in module.parameters(recurse=False) if not p.requires_grad)
         if self._after_loss:  # the next micro-batch's forward (gradient accumulation)
             self._next_micro_batch()
+        batch_dims = output_batch_dims(module, output, sequence_first)
         for suffix, t in named_leaves(output):
             if reason := unrecordable(t):  # e.g. a sparse output: the other outputs go on
                 self._ctx.warn_once(f"activation {path + suffix}: {reason}; it is not recorded")
@@ -411,7 +414,8 @@ class StepRecorder:
             if (name, self._iteration) in self._seen:
                 continue  # the user registered this name explicitly
             self.tensor(name, t, role=role, node=path,
-                        role_in_node=suffix.lstrip(".") or "output")
+                        role_in_node=suffix.lstrip(".") or "output",
+                        batch_dim=batch_dims.get(suffix, AUTO))
             no_grad = t.grad_fn is None and not t.requires_grad
             if no_grad or frozen:  # edges autograd does not have
                 regions = tuple(memory_region(x) for _, x in named_leaves(inputs)

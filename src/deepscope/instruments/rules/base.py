@@ -186,10 +186,17 @@ def map_tensors(obj: Any, fn: Callable[[Tensor], Any]) -> Any:
 
 def first_input(call: Call, name: str = "input") -> Tensor:
     """The module's first positional input, or keyword `name` (e.g. F.linear's `input`)."""
-    x = call.args[0] if call.args else call.kwargs.get(name)
-    if not isinstance(x, Tensor):
-        raise Unsupported(f"its first input is {type(x).__name__}, not a tensor")
+    x = first_input_or_none(call, name)
+    if x is None:
+        found = call.args[0] if call.args else call.kwargs.get(name)
+        raise Unsupported(f"its first input is {type(found).__name__}, not a tensor")
     return x
+
+
+def first_input_or_none(call: Call, name: str = "input") -> Tensor | None:
+    """`first_input`, or None where it is not a tensor."""
+    x = call.args[0] if call.args else call.kwargs.get(name)
+    return x if isinstance(x, Tensor) else None
 
 
 class ModuleGrads:
@@ -476,12 +483,15 @@ class Rule:
       early          `grads` of one call needs nothing known only after the backward pass:
                      the engine may materialise a call's per-sample gradients when its output
                      gradient arrives and drop the call's captures, where those are larger.
+      channels_at_dim1  dim 1 of its input is channels, never the batch (convolutions,
+                     BatchNorm, GroupNorm): see `sequence_first`.
     """
 
     recursive: bool = False
     early: bool = False
     keeps_outputs: bool = False
     batch_dim0: bool = True  # the batch is dim 0 of inputs and output (broadcasts are split)
+    channels_at_dim1: bool = False
 
     def __init__(self, module: nn.Module, params: dict[str, nn.Parameter]) -> None:
         self.module = module
@@ -504,6 +514,12 @@ class Rule:
         if x.dim() == 0:
             raise Unsupported("its input is a 0-d tensor without a batch dimension")
         return int(x.shape[0])
+
+    def sequence_first(self, call: Call) -> bool:
+        """Whether this call's batch is dim 1 of its input, after a sequence (an RNN or
+        attention with batch_first=False): the engine then cannot take dim 0 for the batch of
+        other modules' (B, B, …) inputs, which may be (sequence, batch, …) too."""
+        return False
 
     def grads(self, calls: list[Call], ctx: Context) -> ModuleGrads:
         """Per-sample gradient statistics from this step's calls (all with some gradient)."""

@@ -91,6 +91,7 @@ class ConvRule(Rule):
     """nn.Conv1d / Conv2d / Conv3d (batched input (B, C, *spatial))."""
 
     early = True
+    channels_at_dim1 = True
 
     def grads(self, calls: list[Call], ctx: Context) -> ModuleGrads:
         module = self.module

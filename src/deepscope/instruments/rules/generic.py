@@ -34,6 +34,7 @@ from .base import (
     Rule,
     Unsupported,
     first_input,
+    first_input_or_none,
     map_tensors,
     tensor_leaves,
 )
@@ -60,7 +61,8 @@ class _Prepared:
     select: list[int]  # output tensor leaves that received a gradient
     gouts: list[Tensor]  # their scaled gradients
     out_dims: list[int]
-    params: dict[str, Tensor]  # parameter copies from forward time
+    params: dict[str, Tensor]  # copies of its own parameters from forward time
+    fixed: dict[str, Tensor]  # copies of its submodules' parameters from forward time
     recorded: list[Tensor | None]  # recorded outputs (None where modified in place since)
     buffers: dict[str, Tensor]  # buffer copies from forward time (over the step's copies)
 
@@ -83,7 +85,8 @@ class GenericGrads(ModuleGrads):
         """The call's gradient-carrying outputs, re-run on `leaves` with `params`."""
         args, kwargs = call.rebuild(leaves)
         with self.rule.rerunning():
-            out = functional_call(self.rule.module, {**self.buffers, **call.buffers, **params},
+            out = functional_call(self.rule.module,
+                                  {**self.buffers, **call.buffers, **call.fixed, **params},
                                   args, kwargs)
         outs = tensor_leaves(out)
         return tuple(outs[j] for j in call.select)
@@ -233,11 +236,15 @@ class GenericRule(Rule):
 
     def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]
                 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """Copies of the parameters as used in this forward (the optimiser may change them);
-        several calls in one step share a copy while the parameter is unchanged. And copies
-        of the buffers `forward_buffers` names, as this forward left them."""
+        """Copies of the parameters as used in this forward (the optimiser may change them):
+        its own, and its submodules' trainable ones that a re-run reads (not
+        differentiated); several calls in one step share a copy while the parameter is
+        unchanged. And copies of the buffers `forward_buffers` names, as this forward left
+        them."""
         copies = {}
-        for name, p in self.params.items():
+        used = {**{n: p for n, p in self.module.named_parameters() if p.requires_grad},
+                **self.params}
+        for name, p in used.items():
             kept = self._copies.get(name)
             if kept is None or kept[1] != p._version:
                 kept = (p.detach().clone(), p._version)
@@ -299,9 +306,15 @@ class GenericRule(Rule):
             it = iter(new)
             return map_tensors((call.args, call.kwargs), lambda _: next(it))
 
-        params, buffers = call.extra
-        return _Prepared(leaves, in_dims, rebuild, select, gouts, out_dims, params, recorded,
-                         buffers)
+        copies, buffers = call.extra
+        own = {n: v for n, v in copies.items() if n in self.params}
+        fixed = {n: v for n, v in copies.items() if n not in self.params}
+        return _Prepared(leaves, in_dims, rebuild, select, gouts, out_dims, own, fixed,
+                         recorded, buffers)
+
+
+def _is_3d(x: Tensor | None) -> bool:
+    return x is not None and x.dim() == 3
 
 
 class MultiheadAttentionRule(GenericRule):
@@ -313,6 +326,9 @@ class MultiheadAttentionRule(GenericRule):
 
     def _dim(self) -> int:
         return 0 if self.module.batch_first else 1
+
+    def sequence_first(self, call: Call) -> bool:
+        return not self.module.batch_first and _is_3d(first_input_or_none(call, "query"))
 
     def batch_size(self, call: Call) -> int:
         query = first_input(call, "query")
@@ -340,6 +356,9 @@ class RNNRule(GenericRule):
 
     def _dim(self) -> int:
         return 0 if self.module.batch_first else 1
+
+    def sequence_first(self, call: Call) -> bool:
+        return not self.module.batch_first and _is_3d(first_input_or_none(call))
 
     def batch_size(self, call: Call) -> int:
         x = first_input(call)  # a PackedSequence is not a tensor: unsupported

@@ -29,6 +29,7 @@ class NormRule(Rule):
     def __init__(self, module: nn.Module, params: dict[str, nn.Parameter]) -> None:
         super().__init__(module, params)
         self._batch_norm = isinstance(module, nn.modules.batchnorm._BatchNorm)
+        self.channels_at_dim1 = self._batch_norm or isinstance(module, nn.GroupNorm)
 
     def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """BatchNorm: copies of the running statistics it normalised with, or the reason
