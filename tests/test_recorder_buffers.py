@@ -42,3 +42,37 @@ def test_a_single_copy_is_exact_private_and_detached():
     assert c.is_contiguous() and c.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
     pool.release([c])
     assert pool.copy(torch.ones(3, 4)) is c  # reused
+
+
+def test_gradients_nobody_else_holds_are_kept_without_a_copy(tmp_path, monkeypatch):
+    """After backward, the activation and loss gradients autograd made are the recorder's
+    alone: kept as they are (a stray reference held while they are snapshotted, e.g. by the
+    loss-scale check, made each step copy the loss's gradient)."""
+    from torch import nn
+
+    import deepscope
+    from deepscope.recorder.step import StepRecorder
+
+    copied: list[tuple[str, str]] = []
+    record = StepRecorder._record_values
+
+    def watched(self, records):
+        copied.extend((r[0], r[1]) for r in records if r[1] != "forward")
+        return record(self, records)
+
+    monkeypatch.setattr(StepRecorder, "_record_values", watched)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with deepscope.Scope(tmp_path, "r", schedule=deepscope.every(1)) as scope:
+        scope.watch(model, optimizer=opt)
+        for step in range(2):
+            with scope.step(step) as rec:
+                h = model[0](torch.randn(3, 4))
+                rec.tensor("h", h)
+                losses = model[2](model[1](h)).pow(2).sum(1)
+                loss = losses.mean()
+                rec.loss(loss, per_sample=losses)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert copied == []  # h's, the loss's and the per-sample losses' gradients kept

@@ -654,14 +654,19 @@ class StepRecorder:
         return local_values(self.step, self._losses, list(self._infos.values()),
                             self._iteration + 1)
 
+    def _check_loss_scale(self) -> None:
+        """Tell `scale_check` the loss's gradient, ∂(backpropagated root)/∂loss (> 1 when
+        scaled up). A method of its own: no reference to the gradient may outlive it, or
+        `_snapshot_grads` would copy a gradient nobody else holds."""
+        factor = next((g for (name, _), g in self._grads.items()
+                       if name in self._loss_names), None)
+        if factor is not None and factor.numel() == 1:
+            self._ctx.scale_check.note(factor)
+
     def _payload(self) -> StepPayload:
         ctx = self._ctx
         if ctx.scaler is None and not ctx.scale_check.done:
-            # the loss's gradient is ∂(backpropagated root)/∂loss: > 1 when scaled up
-            factor = next((g for (name, _), g in self._grads.items()
-                           if name in self._loss_names), None)
-            if factor is not None and factor.numel() == 1:
-                ctx.scale_check.note(factor)
+            self._check_loss_scale()
         self._snapshot_grads("grad")
         cached = self._graph()
         self._copies.clear()  # the captures hold the copies; let the user's tensors go
