@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import deepscope
+from deepscope.recorder.passes import ScaleCheck
 
 
 def _model() -> nn.Sequential:
@@ -109,12 +110,13 @@ def test_no_warning_for_an_unscaled_or_accumulated_loss(tmp_path, caplog):
     model = _model()
     with deepscope.Scope(tmp_path, "r", schedule=deepscope.every(1)) as scope:
         scope.watch(model)
-        for step in range(2):
+        for step in range(ScaleCheck.CHECKS):
             with scope.step(step) as rec:
                 for _ in range(2):
                     loss = model(torch.randn(4, 5)).pow(2).mean()
                     rec.loss(loss)
                     (loss / 2).backward()  # ∂root/∂loss = 1/2: the loss's own factor
+        assert scope._scale_check.done  # judged on the first steps only: later ones pay nothing
     assert not [r for r in caplog.records if "GradScaler" in r.getMessage()]
 
 

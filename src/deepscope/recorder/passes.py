@@ -66,12 +66,17 @@ class PassFilter:
 
 class ScaleCheck:
     """Warns (`warn`, once) when a recorded step's loss reached backward() multiplied by more
-    than 1 and no scaler was given. On the CPU the factor is read at once; on an accelerator
-    it is copied to the host without a sync and read at the next recorded step."""
+    than 1 and no scaler was given, judged on the first `CHECKS` recorded steps whose factor
+    is finite (a scaler is there from the start; later ones pay nothing). On the CPU the
+    factor is read at once; on an accelerator it is copied to the host without a sync and
+    read at the next recorded step."""
+
+    CHECKS = 8
 
     def __init__(self, warn: Callable[[str], None]) -> None:
         self._warn = warn
         self._pending: tuple[torch.Tensor, Any] | None = None
+        self._judged = 0
         self.done = False
 
     def note(self, factor: torch.Tensor) -> None:
@@ -94,7 +99,10 @@ class ScaleCheck:
             self._judge(float(host))
 
     def _judge(self, factor: float) -> None:
-        if math.isfinite(factor) and factor > 1.0 + 1e-6:  # (1 / k of accumulation is the
-            # loss's own: .grad keeps it)
+        if not math.isfinite(factor):
+            return
+        self._judged += 1
+        self.done = self._judged >= self.CHECKS
+        if factor > 1.0 + 1e-6:  # (1 / k of accumulation is the loss's own: .grad keeps it)
             self.done = True
             self._warn(SCALED_LOSS.format(factor=factor))
