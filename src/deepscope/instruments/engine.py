@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from ..backward import accumulates
+from ..backward import accumulates, graph_task
 from ..hookstate import hooks_paused
 from ..layouts import sequence_first_modules
 from ..naming import ModelNames
@@ -118,11 +118,6 @@ def _expanded(call: Call) -> Call:
     return replace(call, args=map_tensors(call.args, expand),
                    kwargs=map_tensors(call.kwargs, expand), grads=[g],
                    outputs=[expand(o) for o in call.outputs], broadcast=None)
-
-
-def _graph_task() -> int:
-    """Id of the autograd graph task (one backward / autograd.grad call) running now."""
-    return torch._C._current_graph_task_id()
 
 
 # consumers whose gradient w.r.t. a broadcast operand is ± alpha × their output gradient,
@@ -329,7 +324,7 @@ class PerSampleEngine:
             in_versions=[x._version for x in tensor_leaves((args, kwargs))],
             extra=hooked.rule.capture(args, kwargs),
         )
-        task = _graph_task()
+        task = graph_task()
         if task != -1:  # a checkpoint recomputing the forward inside a backward pass
             call.task = task
         if hooked.rule.keeps_outputs:
@@ -354,7 +349,7 @@ class PerSampleEngine:
     def _task_now(self) -> int:
         """The backward pass running now: a checkpoint's nested pass counts as the pass that
         recomputed its forward (see `_on_grad`)."""
-        task = _graph_task()
+        task = graph_task()
         return self._nested.get(task, task)
 
     def _micro_now(self) -> int | None:
@@ -365,7 +360,7 @@ class PerSampleEngine:
     def _on_grad(self, index: int, call: Call, slot: int, grad: Tensor) -> None:
         if hooks_paused():  # deepscope's own backward passes (curvature) are not the user's
             return
-        if call.task is not None and (now := _graph_task()) != call.task:
+        if call.task is not None and (now := graph_task()) != call.task:
             # torch.utils.checkpoint(use_reentrant=True) recomputed this call inside pass
             # call.task and backpropagates through it in a pass of its own: that pass, and the
             # parameter gradients it delivers, belong to call.task's
@@ -466,7 +461,7 @@ class PerSampleEngine:
         if hooks_paused() or not accumulates(self._params.values()):
             return  # an autograd.grad pass (a norm for logging, a penalty): not .grad's
         micro = self._micros[index]
-        task, differentiable = _graph_task(), torch.is_grad_enabled()
+        task, differentiable = graph_task(), torch.is_grad_enabled()
         if micro.task is not None and (not micro.provisional or differentiable):
             return  # the first plain pass wins; create_graph passes are gradient penalties
         if micro.task is not None:  # a create_graph pass came first: drop what it left

@@ -17,10 +17,7 @@ from typing import Any
 
 import torch
 
-from ..backward import accumulates
-
-# Present since torch 2.1; without it every pass counts (the sum, as before).
-_current_task = getattr(torch._C, "_current_graph_task_id", None)
+from ..backward import accumulates, graph_task
 
 SCALED_LOSS = ("the registered loss reached backward() multiplied by {factor:g} (a GradScaler's "
                "scale?): the recorded gradients are {factor:g}x those of the loss, and change "
@@ -53,9 +50,9 @@ class PassFilter:
 
     def counts(self) -> bool:
         """Whether the running pass counts (see the module's docstring); sets `scale`."""
-        if _current_task is None:
+        task = graph_task()
+        if task == -1:  # no engine query (torch < 2.1): every pass counts
             return True
-        task = _current_task()
         if task != self._task:
             self._task = task
             self._counts = accumulates(self._params)
